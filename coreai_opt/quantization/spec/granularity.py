@@ -1,0 +1,218 @@
+"""Quantization schemes and granularities, with the tensor reshaping each granularity implies.
+
+Qparam shapes follow ONNX QuantizeLinear conventions so that buffers fold straight into the exported graph:
+
+==========================  =====================================================================
+granularity                 scale / zero-point shape for a tensor of shape ``s``
+==========================  =====================================================================
+``PerTensor()``             ``()``
+``PerChannel(axis)``        ``(s[axis],)``
+``PerBlock(axis, B)``       ``s`` with ``s[axis]`` replaced by ``s[axis] // B`` (B must divide it)
+==========================  =====================================================================
+
+Every calculator works on the *rows view* of a tensor: a 2-D tensor ``(R, N)`` whose row ``r`` holds
+the ``N`` elements that share qparam ``r`` (``R = prod(qparam_shape)``, row-major). Statistics reduce over
+dim 1 and :meth:`Granularity.from_rows` reshapes a length-``R`` vector back to the qparam shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "QuantizationScheme",
+    "Granularity",
+    "PerTensor",
+    "PerChannel",
+    "PerBlock",
+    "granularity_from_dict",
+]
+
+
+class QuantizationScheme(str, Enum):
+    """How the float range maps onto the integer range.
+
+    * ``symmetric``: zero point at the middle of the range (0 for signed dtypes), full integer range,
+      ``scale = max_abs / ((qmax - qmin) / 2)`` (int8: ``max_abs / 127.5`` over ``[-128, 127]``).
+    * ``symmetric_with_clipping``: signed range narrowed to ``[-qmax, qmax]`` (int8: ``[-127, 127]``),
+      ``scale = max_abs / qmax``.
+    * ``asymmetric``: ``scale = (max - min) / (qmax - qmin)``, ``zp = clamp(qmin - round(min / scale))``.
+    """
+
+    SYMMETRIC = "symmetric"
+    SYMMETRIC_WITH_CLIPPING = "symmetric_with_clipping"
+    ASYMMETRIC = "asymmetric"
+
+
+def _normalize_axis(axis: int, rank: int, what: str) -> int:
+    if not -rank <= axis < rank:
+        raise ValueError(
+            f"{what} axis={axis} is out of range for a tensor of rank {rank}; "
+            f"use an axis in [{-rank}, {rank - 1}]"
+        )
+    return axis % rank
+
+
+class Granularity:
+    """Base of the three granularities. Subclasses are frozen dataclasses (hashable, comparable)."""
+
+    type_name: ClassVar[str]
+
+    def qparam_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """Return the scale / zero-point shape for a tensor of ``shape`` (ONNX convention)."""
+        raise NotImplementedError
+
+    def to_rows(self, x: Tensor) -> Tensor:
+        """Return the ``(R, N)`` rows view: row ``r`` holds the elements sharing qparam ``r``."""
+        raise NotImplementedError
+
+    def expand(self, qparam: Tensor, x: Tensor) -> Tensor:
+        """Broadcast a qparam tensor of :meth:`qparam_shape` against ``x``."""
+        raise NotImplementedError
+
+    def from_rows(self, values: Tensor, shape: tuple[int, ...] | torch.Size) -> Tensor:
+        """Reshape a length-``R`` vector to the qparam shape of a tensor of ``shape``."""
+        return values.reshape(self.qparam_shape(shape))
+
+    def onnx_axis(self, rank: int) -> int:
+        """Return the ``axis`` argument of the quantize-dequantize op (0 for per-tensor)."""
+        return 0
+
+    @property
+    def block_size(self) -> int:
+        """Block size (0 unless per-block)."""
+        return 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialise to a plain dict with a ``"type"`` key."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class PerTensor(Granularity):
+    """One scale for the whole tensor."""
+
+    type_name: ClassVar[str] = "per_tensor"
+
+    def qparam_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:  # noqa: D102
+        return ()
+
+    def to_rows(self, x: Tensor) -> Tensor:  # noqa: D102
+        return x.reshape(1, -1)
+
+    def expand(self, qparam: Tensor, x: Tensor) -> Tensor:  # noqa: D102
+        return qparam
+
+    def to_dict(self) -> dict[str, Any]:  # noqa: D102
+        return {"type": self.type_name}
+
+
+@dataclass(frozen=True)
+class PerChannel(Granularity):
+    """One scale per index along ``axis`` (negative axes count from the end)."""
+
+    axis: int = 0
+    type_name: ClassVar[str] = "per_channel"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise TypeError(f"PerChannel axis must be an int, got {self.axis!r}")
+
+    def qparam_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:  # noqa: D102
+        return (shape[_normalize_axis(self.axis, len(shape), "per-channel")],)
+
+    def to_rows(self, x: Tensor) -> Tensor:  # noqa: D102
+        axis = _normalize_axis(self.axis, x.dim(), "per-channel")
+        return x.movedim(axis, 0).reshape(x.shape[axis], -1)
+
+    def expand(self, qparam: Tensor, x: Tensor) -> Tensor:  # noqa: D102
+        axis = _normalize_axis(self.axis, x.dim(), "per-channel")
+        return qparam.reshape([-1 if i == axis else 1 for i in range(x.dim())])
+
+    def onnx_axis(self, rank: int) -> int:  # noqa: D102
+        return _normalize_axis(self.axis, rank, "per-channel")
+
+    def to_dict(self) -> dict[str, Any]:  # noqa: D102
+        return {"type": self.type_name, "axis": self.axis}
+
+
+@dataclass(frozen=True)
+class PerBlock(Granularity):
+    """One scale per contiguous block of ``block_size`` elements along ``axis`` (ONNX opset-21 blocking)."""
+
+    axis: int = -1
+    block_size: int = 32  # type: ignore[assignment]
+    type_name: ClassVar[str] = "per_block"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, int) or isinstance(self.axis, bool):
+            raise TypeError(f"PerBlock axis must be an int, got {self.axis!r}")
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"PerBlock block_size must be a positive int, got {self.block_size!r}")
+
+    def _checked_axis(self, shape: tuple[int, ...] | torch.Size) -> int:
+        axis = _normalize_axis(self.axis, len(shape), "per-block")
+        if shape[axis] % self.block_size:
+            raise ValueError(
+                f"per-block block_size={self.block_size} does not divide dimension {axis} of size {shape[axis]} "
+                f"(tensor shape {tuple(shape)}); pick a block size that divides {shape[axis]}, e.g. "
+                f"{math.gcd(shape[axis], self.block_size)}"
+            )
+        return axis
+
+    def qparam_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:  # noqa: D102
+        axis = self._checked_axis(shape)
+        out = list(shape)
+        out[axis] = shape[axis] // self.block_size
+        return tuple(out)
+
+    def to_rows(self, x: Tensor) -> Tensor:  # noqa: D102
+        axis = self._checked_axis(x.shape)
+        s = list(x.shape)
+        blocked = x.reshape(s[:axis] + [s[axis] // self.block_size, self.block_size] + s[axis + 1 :])
+        return blocked.movedim(axis + 1, -1).reshape(-1, self.block_size)
+
+    def expand(self, qparam: Tensor, x: Tensor) -> Tensor:  # noqa: D102
+        axis = self._checked_axis(x.shape)
+        return qparam.repeat_interleave(self.block_size, dim=axis)
+
+    def onnx_axis(self, rank: int) -> int:  # noqa: D102
+        return _normalize_axis(self.axis, rank, "per-block")
+
+    def to_dict(self) -> dict[str, Any]:  # noqa: D102
+        return {"type": self.type_name, "axis": self.axis, "block_size": self.block_size}
+
+
+_BY_NAME: dict[str, type[Granularity]] = {c.type_name: c for c in (PerTensor, PerChannel, PerBlock)}
+
+
+def granularity_from_dict(data: dict[str, Any] | Granularity) -> Granularity:
+    """Build a granularity from ``{"type": "per_channel", "axis": 0}``-style dicts (granularities pass through).
+
+    Raises:
+        ValueError: unknown ``type`` or unexpected keys, naming them.
+    """
+    if isinstance(data, Granularity):
+        return data
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(
+            f"granularity must be a dict with a 'type' key (one of {sorted(_BY_NAME)}), got {data!r}"
+        )
+    kind = data["type"]
+    if kind not in _BY_NAME:
+        raise ValueError(f"unknown granularity type {kind!r}; valid types are: {', '.join(sorted(_BY_NAME))}")
+    cls = _BY_NAME[kind]
+    fields = {k: v for k, v in data.items() if k != "type"}
+    allowed = {"per_tensor": set(), "per_channel": {"axis"}, "per_block": {"axis", "block_size"}}[kind]
+    unknown = set(fields) - allowed
+    if unknown:
+        raise ValueError(
+            f"granularity {kind!r} got unknown key(s) {sorted(unknown)}; allowed keys: {sorted(allowed) or 'none'}"
+        )
+    return cls(**fields)

@@ -1,0 +1,186 @@
+"""Range calculators: the statistics half of a quantizer.
+
+A range calculator watches tensors and answers one question, *which float range should map onto the
+integer range?* It knows nothing about dtypes or scales (that is :mod:`qparams_math`), and nothing about
+graphs. Its statistics live in buffers so that ``state_dict`` round-trips, and every calculator says how
+its statistics merge across ``torch.distributed`` ranks.
+
+Contract of every subclass:
+
+* ``update(x)`` accumulates statistics of ``x`` (rows view, see :mod:`granularity`). Non-finite values
+  are ignored, with one warning naming the calculator.
+* ``compute_range()`` returns ``(min_val, max_val)`` with the qparam shape.
+* ``reset()`` forgets everything; ``has_statistics`` says whether anything was observed.
+* ``all_reduce(group)`` merges statistics across ranks so every rank ends identical.
+* ``accumulates`` (class attribute): True when the statistics already summarise *every* batch seen
+  (histograms). Such calculators pair only with the ``static`` qparams calculator.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from coreai_opt.quantization.spec.granularity import Granularity, PerTensor
+from coreai_opt.quantization.spec.registry import Registry
+
+if TYPE_CHECKING:
+    from coreai_opt.quantization.spec.spec import QuantizationSpec
+
+__all__ = ["RangeCalculatorBase", "MinMaxRangeCalculator", "RANGE_CALCULATORS", "finite_rows_min_max"]
+
+
+def finite_rows_min_max(rows: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """Return the per-row min and max of ``rows`` over finite values only.
+
+    The fast path is one ``aminmax``; only when its result is not finite are NaN/Inf masked out.
+    A row with no finite value gives ``(+inf, -inf)``.
+
+    Returns:
+        ``(min, max, had_non_finite)``.
+    """
+    mn, mx = torch.aminmax(rows, dim=1)
+    if bool(torch.isfinite(mn).all()) and bool(torch.isfinite(mx).all()):
+        return mn, mx, False
+    finite = torch.isfinite(rows)
+    inf = torch.tensor(float("inf"), dtype=rows.dtype, device=rows.device)
+    mn = torch.where(finite, rows, inf).amin(dim=1)
+    mx = torch.where(finite, rows, -inf).amax(dim=1)
+    return mn, mx, True
+
+
+class RangeCalculatorBase(nn.Module):
+    """Base class of range calculators (registry: :data:`RANGE_CALCULATORS`).
+
+    Args:
+        granularity: How elements are grouped into qparams.
+    """
+
+    accumulates: ClassVar[bool] = False
+    registry_key: ClassVar[str]
+
+    def __init__(self, granularity: Granularity | None = None) -> None:
+        super().__init__()
+        self.granularity = granularity if granularity is not None else PerTensor()
+        self.name = type(self).__name__
+        self._warned_non_finite = False
+
+    @classmethod
+    def from_spec(cls, spec: QuantizationSpec) -> RangeCalculatorBase:
+        """Build the calculator from a spec (subclasses read the spec fields they need)."""
+        return cls(spec.granularity)
+
+    # --- registry classmethods (the same registry for the whole family) ---
+    @classmethod
+    def register(cls, key: str):  # noqa: ANN206
+        """Class decorator registering a range calculator under ``key``."""
+        return RANGE_CALCULATORS.register(key)
+
+    @classmethod
+    def get_class(cls, key: str) -> type[RangeCalculatorBase]:
+        """Return the range calculator registered under ``key``."""
+        return RANGE_CALCULATORS.get_class(key)
+
+    @classmethod
+    def resolve(cls, data: str | type) -> type[RangeCalculatorBase]:
+        """Resolve a key or class."""
+        return RANGE_CALCULATORS.resolve(data)
+
+    @classmethod
+    def list_registry_keys(cls) -> list[str]:
+        """Registered keys."""
+        return RANGE_CALCULATORS.list_registry_keys()
+
+    @classmethod
+    def list_registry_values(cls) -> list[type[RangeCalculatorBase]]:
+        """Registered classes."""
+        return RANGE_CALCULATORS.list_registry_values()
+
+    # --- contract ---
+    def update(self, x: Tensor) -> None:
+        """Accumulate statistics of ``x``."""
+        raise NotImplementedError
+
+    def compute_range(self) -> tuple[Tensor, Tensor]:
+        """Return ``(min_val, max_val)`` with the qparam shape."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget all statistics."""
+        raise NotImplementedError
+
+    @property
+    def has_statistics(self) -> bool:
+        """True once ``update`` has seen at least one finite value."""
+        raise NotImplementedError
+
+    def all_reduce(self, group: object | None = None) -> None:
+        """Merge statistics across the ranks of ``group`` so that every rank holds the same result."""
+        raise NotImplementedError
+
+    def _warn_non_finite(self) -> None:
+        if not self._warned_non_finite:
+            warnings.warn(
+                f"{self.name}: the observed tensor contains NaN or Inf; those values are ignored by the range "
+                "statistics. Check the model inputs or the layer feeding this quantizer.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._warned_non_finite = True
+
+
+RANGE_CALCULATORS: Registry[type[RangeCalculatorBase]] = Registry("range calculator", RangeCalculatorBase)
+
+
+@RANGE_CALCULATORS.register("minmax")
+class MinMaxRangeCalculator(RangeCalculatorBase):
+    """The min and max of the most recent tensor, per qparam group.
+
+    ``min_val[r] = min_j rows[r, j]`` and ``max_val[r] = max_j rows[r, j]`` over finite values.
+    Accumulation across batches (running min/max, EMA) is the qparams calculator's job.
+    Across ranks the result is the elementwise min of mins and max of maxes.
+    """
+
+    def __init__(self, granularity: Granularity | None = None) -> None:
+        super().__init__(granularity)
+        self.register_buffer("min_val", torch.empty(0))
+        self.register_buffer("max_val", torch.empty(0))
+
+    def update(self, x: Tensor) -> None:  # noqa: D102
+        x = x.detach()
+        mn, mx, had_non_finite = finite_rows_min_max(self.granularity.to_rows(x))
+        if had_non_finite:
+            self._warn_non_finite()
+        shape = self.granularity.qparam_shape(x.shape)
+        self.min_val = mn.reshape(shape).float()
+        self.max_val = mx.reshape(shape).float()
+
+    def compute_range(self) -> tuple[Tensor, Tensor]:  # noqa: D102
+        if not self.has_statistics:
+            raise RuntimeError(f"{self.name}: no tensor observed yet; call update() first")
+        return self.min_val, self.max_val
+
+    def reset(self) -> None:  # noqa: D102
+        self.min_val = torch.empty(0, device=self.min_val.device)
+        self.max_val = torch.empty(0, device=self.max_val.device)
+
+    @property
+    def has_statistics(self) -> bool:  # noqa: D102
+        return self.min_val.numel() > 0 and bool(torch.isfinite(self.min_val).any())
+
+    def all_reduce(self, group: object | None = None) -> None:  # noqa: D102
+        import torch.distributed as dist
+
+        dist.all_reduce(self.min_val, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(self.max_val, op=dist.ReduceOp.MAX, group=group)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # noqa: D102, ANN001
+        # Buffers are shaped by the first observed tensor: adopt the saved shapes before copying.
+        for name in ("min_val", "max_val"):
+            key = prefix + name
+            if key in state_dict:
+                setattr(self, name, torch.empty_like(state_dict[key], device=getattr(self, name).device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
