@@ -1,0 +1,215 @@
+"""``FakeQuantize``: the nn.Module a graph pass inserts next to a weight or activation.
+
+It owns exactly one qparams calculator (``self.calculator``) and applies the custom op
+``coreai_opt::quantize_dequantize``: ``y = (clamp(round(x / s) + z, qmin, qmax) − z) · s``, with a
+straight-through gradient masked where clamped. The same op runs in every mode, so a prepared model with
+observers off and the converted (export-mode) model give bitwise identical outputs.
+
+=========================  ==================================================================
+observer / fake-quant      forward(x)
+=========================  ==================================================================
+on / off (calibration)     ``calculator.observe(x)``; returns ``x`` (qparams committed lazily)
+on / on (QAT)              observe + commit + fake-quantize with the fresh qparams
+off / on (evaluation)      fake-quantize with the cached qparams (pending statistics are committed
+                           first); RuntimeError when none exist
+off / off                  identity
+export mode                fake-quantize with the frozen buffers; flags and statistics untouched
+=========================  ==================================================================
+
+fp16/bf16 inputs: qparams stay float32; the op computes in float32 and the result is cast back to the
+input dtype (in ONNX this appears as Cast nodes around the Q/DQ pair).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from coreai_opt.quantization.spec.qparams_calculator import (
+    QPARAMS_CALCULATORS,
+    QParamsCalculatorBase,
+    StatefulQParamsCalculatorBase,
+)
+from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize
+from coreai_opt.quantization.spec.registry import Registry
+
+if TYPE_CHECKING:
+    from coreai_opt.quantization.spec.spec import QuantizationSpec
+
+__all__ = ["FakeQuantize", "FAKE_QUANTIZE"]
+
+
+class FakeQuantize(nn.Module):
+    """Fake-quantize a tensor according to a :class:`~coreai_opt.quantization.spec.QuantizationSpec`.
+
+    Base of the fake-quantize family (registry :data:`FAKE_QUANTIZE`, this class is ``"default"``).
+
+    Args:
+        spec: The quantization spec. The calculator is
+            ``QPARAMS_CALCULATORS.resolve(spec.qparams_calculator).from_spec(spec)``.
+
+    Attributes:
+        calculator: The qparams calculator.
+        observer_enabled: bool buffer; statistics are collected when True.
+        fake_quant_enabled: bool buffer; the output is fake-quantized when True.
+        export_mode: True after ``set_export_mode(True)``: qparams frozen.
+        name: Used in messages; the graph pass sets it to the tensor it serves (``"conv1.output"``).
+    """
+
+    registry_key: str
+    observer_enabled: Tensor
+    fake_quant_enabled: Tensor
+
+    def __init__(self, spec: QuantizationSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.calculator: QParamsCalculatorBase = QPARAMS_CALCULATORS.resolve(spec.qparams_calculator).from_spec(spec)
+        self.register_buffer("observer_enabled", torch.tensor(True))
+        self.register_buffer("fake_quant_enabled", torch.tensor(True))
+        self.export_mode = False
+        self.name = type(self).__name__
+        self._pending = False  # statistics observed but not committed yet
+
+    @classmethod
+    def from_spec(cls, spec: QuantizationSpec) -> FakeQuantize:
+        """Build the module from ``spec``."""
+        return cls(spec)
+
+    # --- registry classmethods ---
+    @classmethod
+    def register(cls, key: str):  # noqa: ANN206
+        """Class decorator registering a fake-quantize class under ``key``."""
+        return FAKE_QUANTIZE.register(key)
+
+    @classmethod
+    def get_class(cls, key: str) -> type[FakeQuantize]:
+        """Return the fake-quantize class registered under ``key``."""
+        return FAKE_QUANTIZE.get_class(key)
+
+    @classmethod
+    def resolve(cls, data: str | type) -> type[FakeQuantize]:
+        """Resolve a key or class."""
+        return FAKE_QUANTIZE.resolve(data)
+
+    @classmethod
+    def list_registry_keys(cls) -> list[str]:
+        """Registered keys."""
+        return FAKE_QUANTIZE.list_registry_keys()
+
+    @classmethod
+    def list_registry_values(cls) -> list[type[FakeQuantize]]:
+        """Registered classes."""
+        return FAKE_QUANTIZE.list_registry_values()
+
+    # --- configuration ---
+    def set_name(self, name: str) -> None:
+        """Name this quantizer and its calculators after the tensor it serves."""
+        self.name = name
+        self.calculator.set_name(name)
+
+    def enable_observer(self, enabled: bool = True) -> None:
+        """Switch statistics collection on or off."""
+        self.observer_enabled.fill_(bool(enabled))
+
+    def enable_fake_quant(self, enabled: bool = True) -> None:
+        """Switch fake quantization on or off."""
+        self.fake_quant_enabled.fill_(bool(enabled))
+
+    def initialize(self, tensor_shape: tuple[int, ...] | torch.Size) -> None:
+        """Pre-allocate the qparam buffers for tensors of ``tensor_shape`` (no-op for stateless calculators)."""
+        if isinstance(self.calculator, StatefulQParamsCalculatorBase):
+            self.calculator.initialize(tensor_shape)
+
+    def commit(self) -> None:
+        """Turn pending statistics into qparams (``calibrate`` calls this at the end)."""
+        if isinstance(self.calculator, StatefulQParamsCalculatorBase) and self.calculator.has_statistics:
+            self.calculator.commit()
+        self._pending = False
+
+    def reset_statistics(self) -> None:
+        """Forget observed statistics and any pending commit (``calibrate`` calls this on entry)."""
+        self.calculator.reset_statistics()
+        self._pending = False
+
+    def set_export_mode(self, enabled: bool = True) -> None:
+        """Freeze (``True``): commit pending statistics, freeze the calculator, observer off, fake-quant on.
+
+        Raises:
+            RuntimeError: no qparams exist, or the calculator is stateless.
+        """
+        if enabled:
+            if self._pending:
+                self.commit()
+            self.calculator.set_export_mode(True)
+            self.enable_observer(False)
+            self.enable_fake_quant(True)
+        else:
+            self.calculator.set_export_mode(False)
+        self.export_mode = bool(enabled)
+
+    # --- forward ---
+    def _fake_quant(self, x: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
+        if zero_point is None:  # float8: the op takes a zero tensor it ignores (typed zero point in ONNX)
+            zero_point = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
+        x32 = x if x.dtype == torch.float32 else x.float()
+        y = quantize_dequantize(
+            x32,
+            scale,
+            zero_point,
+            int(self.spec.quant_min),
+            int(self.spec.quant_max),
+            self.spec.granularity.onnx_axis(x.dim()),
+            self.spec.granularity.block_size,
+            self.spec.dtype,
+        )
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def _cached_qparams(self) -> tuple[Tensor, Tensor | None]:
+        calculator = self.calculator
+        if self._pending:
+            self.commit()
+        if not isinstance(calculator, StatefulQParamsCalculatorBase) or not calculator.has_qparams:
+            raise RuntimeError(
+                f"{self.name}: fake quantization is on but no qparams were computed; "
+                "run coreai_opt.calibrate(...) first (or enable the observer)"
+            )
+        return calculator.scale, calculator.zero_point
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Observe and/or fake-quantize ``x`` according to the flags (see the module docstring)."""
+        if self.export_mode:
+            calculator = self.calculator
+            return self._fake_quant(x, calculator.scale, calculator.zero_point)
+        observe, fake_quant = bool(self.observer_enabled), bool(self.fake_quant_enabled)
+        if not isinstance(self.calculator, StatefulQParamsCalculatorBase):
+            if not fake_quant:
+                return x
+            scale, zero_point, _ = self.calculator(x)
+            return self._fake_quant(x, scale, zero_point)
+        if observe and not fake_quant:
+            self.calculator.observe(x)
+            self._pending = True
+            return x
+        if observe:
+            self.calculator.observe(x)
+            scale, zero_point, _ = self.calculator.commit()
+            self._pending = False
+            return self._fake_quant(x, scale, zero_point)
+        if fake_quant:
+            scale, zero_point = self._cached_qparams()
+            return self._fake_quant(x, scale, zero_point)
+        return x
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return (
+            f"name={self.name!r}, dtype={self.spec.dtype}, qscheme={self.spec.qscheme.value}, "
+            f"quant_range=[{self.spec.quant_min}, {self.spec.quant_max}], granularity={self.spec.granularity}, "
+            f"observer_enabled={bool(self.observer_enabled)}, fake_quant_enabled={bool(self.fake_quant_enabled)}, "
+            f"export_mode={self.export_mode}"
+        )
+
+
+FAKE_QUANTIZE: Registry[type[FakeQuantize]] = Registry("fake quantize", FakeQuantize)
+FAKE_QUANTIZE.register("default")(FakeQuantize)

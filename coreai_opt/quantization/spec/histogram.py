@@ -1,0 +1,432 @@
+"""Bounded-memory, exactly mergeable histograms for the percentile / mse / entropy range calculators.
+
+The grid
+--------
+Row ``r`` of a :class:`RowHistogram` covers the symmetric power-of-two range ``[-2^k_r, 2^k_r)`` with
+``B = num_bins`` bins (``B`` a power of two) of width ``w_r = 2^(k_r + 1) / B``. A finite value ``x`` goes to
+
+    ``bin(x) = floor(x / w_r) + B / 2``.
+
+Because ``w_r`` is a power of two, ``x / w_r`` is exact (it only shifts the exponent), so the bin of a value
+depends on the value and on ``k_r`` only. The exponent is the smallest one that holds every finite value
+observed in the row, ``k_r = max(K_FLOOR, min{k : max|x| < 2^k})``; it is a function of the data, not of
+the order the data came in.
+
+Growing the grid
+----------------
+When a batch needs a larger exponent ``k' = k + d``, every old bin ``i`` moves to
+``floor((i - B/2) / 2^d) + B/2``: on the coarser grid ``floor(x / (2^d w)) = floor(floor(x / w) / 2^d)``,
+so the move is *exact*, i.e. the histogram after growing equals the histogram the data would have had if it
+had been binned on the coarse grid from the start. Hence, for any sequence or partition of batches,
+
+    ``histogram(batch_1, ..., batch_n) == histogram(concat(batch_1, ..., batch_n))``  (bit for bit),
+
+which is what makes data-parallel calibration (:meth:`RowHistogram.all_reduce`) give exactly the
+single-process result. Counts are int64, so sums are exact too.
+
+Memory is ``R × B`` int64 counts plus four length-``R`` vectors, fixed after the first batch: it does not
+grow with the number of batches. ``R × B`` above :data:`MAX_HISTOGRAM_ENTRIES` is refused with a
+``ValueError`` (per-channel / per-block histograms of large tensors).
+
+Values below ``2^K_FLOOR`` in magnitude (``K_FLOOR = -100``, about ``7.9e-31``) share the grid of
+``2^K_FLOOR``; they still count, and the exact per-row min/max keep their true values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from coreai_opt.quantization.spec.granularity import Granularity
+from coreai_opt.quantization.spec.range_calculator import RangeCalculatorBase, finite_rows_min_max
+
+if TYPE_CHECKING:
+    from coreai_opt.quantization.spec.spec import QuantizationSpec
+
+__all__ = [
+    "RowHistogram",
+    "HistogramRangeCalculatorBase",
+    "MAX_HISTOGRAM_ENTRIES",
+    "K_FLOOR",
+    "check_num_bins",
+]
+
+#: Largest ``rows × num_bins`` a histogram may hold (2^24 int64 counts = 128 MiB).
+MAX_HISTOGRAM_ENTRIES: int = 2**24
+
+#: Smallest grid exponent: every row covers at least ``[-2^K_FLOOR, 2^K_FLOOR)``.
+K_FLOOR: int = -100
+
+_MAX_SHAPE_RANK = 8  # qparam shapes exchanged by all_reduce are padded to this rank
+
+
+def check_num_bins(num_bins: int) -> int:
+    """Validate ``num_bins``: a power of two, at least 16.
+
+    Raises:
+        ValueError: naming the nearest valid values.
+    """
+    if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 16 or num_bins & (num_bins - 1):
+        lower = 2 ** max(4, int(math.log2(max(num_bins, 1))) if isinstance(num_bins, int) else 4)
+        raise ValueError(
+            f"num_bins={num_bins!r} must be a power of two >= 16 (the mergeable histogram grid halves exactly); "
+            f"use e.g. num_bins={lower} or {lower * 2}"
+        )
+    return num_bins
+
+
+def _rebin_indices(num_bins: int, shift: Tensor) -> Tensor:
+    """Destination bin of every bin when row ``r`` grows its exponent by ``shift[r] >= 0``.
+
+    ``dst[r, i] = floor((i - B/2) / 2^shift[r]) + B/2``. Shifts beyond ``log2(B)`` are clamped: every bin
+    then lands in ``B/2 - 1`` (negative values) or ``B/2`` (non-negative values) either way.
+    """
+    half = num_bins // 2
+    shift = shift.clamp(min=0, max=int(math.log2(num_bins)))
+    src = torch.arange(num_bins, device=shift.device, dtype=torch.int64) - half
+    divisor = torch.pow(2, shift).to(torch.int64).unsqueeze(1)
+    return torch.div(src.unsqueeze(0), divisor, rounding_mode="floor") + half
+
+
+class RowHistogram(nn.Module):
+    """Histogram of every row of a rows view on an exactly mergeable power-of-two grid (see module docs).
+
+    Buffers (the row count ``R`` is taken from the first tensor):
+
+    * ``counts``: ``(R, num_bins)`` int64.
+    * ``exponent``: ``(R,)`` int64, the ``k_r`` of each row's range ``[-2^k_r, 2^k_r)``.
+    * ``row_min`` / ``row_max``: ``(R,)`` float64 exact min / max of the finite values (``+inf`` / ``-inf``
+      for a row that has seen none).
+
+    Args:
+        num_bins: Bins per row, a power of two ``>= 16``.
+    """
+
+    def __init__(self, num_bins: int = 2048) -> None:
+        super().__init__()
+        self.num_bins = check_num_bins(num_bins)
+        self.register_buffer("counts", torch.zeros(0, num_bins, dtype=torch.int64))
+        self.register_buffer("exponent", torch.zeros(0, dtype=torch.int64))
+        self.register_buffer("row_min", torch.zeros(0, dtype=torch.float64))
+        self.register_buffer("row_max", torch.zeros(0, dtype=torch.float64))
+
+    # ------------------------------------------------------------------------------------------- state
+    @property
+    def num_rows(self) -> int:
+        """Row count ``R`` (0 before the first update)."""
+        return self.counts.shape[0]
+
+    @property
+    def has_statistics(self) -> bool:
+        """True once at least one finite value was counted."""
+        return self.num_rows > 0 and bool(torch.isfinite(self.row_min).any())
+
+    def reset(self) -> None:
+        """Forget everything, including the row count."""
+        self._allocate(0, self.counts.device)
+
+    def _allocate(self, rows: int, device: torch.device) -> None:
+        self.counts = torch.zeros(rows, self.num_bins, dtype=torch.int64, device=device)
+        self.exponent = torch.full((rows,), K_FLOOR, dtype=torch.int64, device=device)
+        self.row_min = torch.full((rows,), math.inf, dtype=torch.float64, device=device)
+        self.row_max = torch.full((rows,), -math.inf, dtype=torch.float64, device=device)
+
+    def _ensure_rows(self, rows: int, device: torch.device) -> None:
+        if self.num_rows == rows:
+            return
+        if self.num_rows != 0:
+            raise ValueError(
+                f"histogram holds {self.num_rows} rows but the new tensor has {rows} qparam groups; a calculator "
+                "observes one tensor shape; call reset() before observing a differently shaped tensor"
+            )
+        if rows * self.num_bins > MAX_HISTOGRAM_ENTRIES:
+            mib = rows * self.num_bins * 8 / 2**20
+            raise ValueError(
+                f"a histogram of {rows} rows x {self.num_bins} bins ({mib:.0f} MiB) exceeds the cap of "
+                f"{MAX_HISTOGRAM_ENTRIES} counts; use per-tensor granularity, fewer bins, or "
+                "range_calculator='minmax' for this quantizer"
+            )
+        self._allocate(rows, device)
+
+    # ------------------------------------------------------------------------------------------- grid
+    def bin_width(self) -> Tensor:
+        """Per-row bin width ``w_r = 2^(k_r + 1) / B`` (float64, ``(R,)``)."""
+        return torch.ldexp(torch.ones_like(self.row_min), self.exponent + 1 - int(math.log2(self.num_bins)))
+
+    def bin_left_edges(self) -> Tensor:
+        """Left edge of every bin, ``(i - B/2) · w_r`` (float64, ``(R, B)``)."""
+        offsets = torch.arange(self.num_bins, dtype=torch.float64, device=self.counts.device) - self.num_bins // 2
+        return offsets.unsqueeze(0) * self.bin_width().unsqueeze(1)
+
+    def abs_counts(self) -> Tensor:
+        """Histogram of ``|x|``: ``(R, B/2)`` int64 whose bin ``i`` covers ``[i·w_r, (i+1)·w_r)``.
+
+        Positive bin ``B/2 + i`` and its mirror ``B/2 - 1 - i`` fold together.
+        """
+        half = self.num_bins // 2
+        return self.counts[:, half:] + self.counts[:, :half].flip(1)
+
+    def _grow_to(self, new_exponent: Tensor) -> None:
+        """Move every row onto the grid of ``new_exponent >= exponent`` (exact bin-pair merging)."""
+        shift = new_exponent - self.exponent
+        if bool((shift > 0).any()):
+            dst = _rebin_indices(self.num_bins, shift)
+            self.counts = torch.zeros_like(self.counts).scatter_add_(1, dst, self.counts)
+        self.exponent = new_exponent
+
+    # ------------------------------------------------------------------------------------------- update
+    def update(self, rows: Tensor) -> bool:
+        """Count the finite values of a ``(R, N)`` rows view.
+
+        Args:
+            rows: Rows view (see :mod:`~coreai_opt.quantization.spec.granularity`), any float dtype.
+
+        Returns:
+            True when ``rows`` contained NaN or Inf (those values are not counted).
+        """
+        if rows.dim() != 2:
+            raise ValueError(f"RowHistogram.update expects a 2-D rows view (R, N), got shape {tuple(rows.shape)}")
+        rows = rows.detach()
+        if not rows.is_floating_point():
+            rows = rows.float()
+        num_rows = rows.shape[0]
+        self._ensure_rows(num_rows, rows.device)
+        if rows.shape[1] == 0:
+            return False
+        mn, mx, had_non_finite = finite_rows_min_max(rows)
+
+        # Smallest k with max|x| < 2^k: frexp gives max|x| = m·2^e, m in [0.5, 1), hence k = e.
+        max_abs = torch.maximum(-mn, mx).double()
+        valid = torch.isfinite(max_abs) & (max_abs > 0)
+        _, exp = torch.frexp(torch.where(valid, max_abs, torch.ones_like(max_abs)))
+        batch_k = torch.where(valid, exp.to(torch.int64), torch.full_like(self.exponent, K_FLOOR))
+        self._grow_to(torch.maximum(self.exponent, batch_k.clamp(min=K_FLOOR)))
+
+        # Bin index floor(x / w) + B/2, computed as x · 2^(log2 B - 1 - k): exact power-of-two scaling.
+        # The flat index r·B + bin stays below 2^24 (the size cap), so float32 holds it exactly; every step
+        # after the product works in place to keep large activations cheap.
+        log2_bins = int(math.log2(self.num_bins))
+        k_max = int(self.exponent.max())
+        compute_dtype = torch.float64 if rows.dtype == torch.float64 or k_max > 100 else torch.float32
+        x = rows.to(compute_dtype)
+        if had_non_finite:
+            finite = torch.isfinite(x)
+            x = torch.where(finite, x, torch.zeros_like(x))
+        inv_width = torch.ldexp(
+            torch.ones(num_rows, 1, dtype=compute_dtype, device=x.device), log2_bins - 1 - self.exponent.unsqueeze(1)
+        )
+        flat = torch.mul(x, inv_width).floor_()
+        if k_max > log2_bins:
+            # w > 2: x · 2^-e can underflow to -0.0 for a subnormal negative x; it belongs left of zero.
+            flat = torch.where((x < 0) & (flat >= 0), torch.full_like(flat, -1.0), flat)
+        offsets = torch.arange(num_rows, device=x.device, dtype=compute_dtype).unsqueeze(1) * self.num_bins
+        flat.add_(offsets + self.num_bins // 2)
+        flat = flat[finite] if had_non_finite else flat.reshape(-1)
+        binned = torch.bincount(flat.to(torch.int32), minlength=num_rows * self.num_bins)
+        self.counts += binned.view(num_rows, self.num_bins)
+
+        self.row_min = torch.minimum(self.row_min, mn.double())
+        self.row_max = torch.maximum(self.row_max, mx.double())
+        return had_non_finite
+
+    # ------------------------------------------------------------------------------------------- merging
+    def merge_(self, other: RowHistogram) -> RowHistogram:
+        """Add ``other``'s statistics into this histogram, exactly (aligns both grids, then sums).
+
+        Raises:
+            ValueError: different ``num_bins`` or row counts.
+        """
+        if other.num_bins != self.num_bins:
+            raise ValueError(
+                f"cannot merge histograms with {self.num_bins} and {other.num_bins} bins; build both calculators "
+                "from the same spec"
+            )
+        if other.num_rows == 0:
+            return self
+        if self.num_rows == 0:
+            self._allocate(other.num_rows, other.counts.device)
+        if other.num_rows != self.num_rows:
+            raise ValueError(
+                f"cannot merge histograms of {self.num_rows} and {other.num_rows} rows; both must observe tensors "
+                "with the same qparam shape"
+            )
+        exponent = torch.maximum(self.exponent, other.exponent)
+        self._grow_to(exponent)
+        theirs = other.counts
+        shift = exponent - other.exponent
+        if bool((shift > 0).any()):
+            theirs = torch.zeros_like(theirs).scatter_add_(1, _rebin_indices(self.num_bins, shift), theirs)
+        self.counts = self.counts + theirs
+        self.row_min = torch.minimum(self.row_min, other.row_min)
+        self.row_max = torch.maximum(self.row_max, other.row_max)
+        return self
+
+    def all_reduce(self, group: object | None = None) -> None:
+        """Merge the histograms of every rank of ``group`` so that all ranks end with the same, exact result.
+
+        Collectives, in order (every rank runs all of them, also a rank that saw no data):
+
+        1. MAX of ``[R, -R_or_sentinel]``: the row count, and a check that all ranks with data agree.
+        2. MAX of ``exponent``; each rank moves its counts onto the common grid.
+        3. SUM of ``counts``; MIN of ``row_min``; MAX of ``row_max``.
+
+        Raises:
+            ValueError: on every rank, when ranks observed different row counts.
+        """
+        import torch.distributed as dist
+
+        device = self.counts.device
+        sentinel = -(2**62)
+        rows = self.num_rows
+        shape_info = torch.tensor([rows, -rows if rows else sentinel], dtype=torch.int64, device=device)
+        dist.all_reduce(shape_info, op=dist.ReduceOp.MAX, group=group)
+        max_rows, min_rows = int(shape_info[0]), -int(shape_info[1])
+        if max_rows == 0:
+            return
+        if min_rows != max_rows:
+            raise ValueError(
+                f"all_reduce: ranks observed tensors with different qparam group counts ({min_rows} vs {max_rows}); "
+                "every rank must feed the same layer the same tensor layout"
+            )
+        if rows == 0:
+            self._allocate(max_rows, device)
+        exponent = self.exponent.clone()
+        dist.all_reduce(exponent, op=dist.ReduceOp.MAX, group=group)
+        self._grow_to(exponent)
+        counts, row_min, row_max = self.counts.clone(), self.row_min.clone(), self.row_max.clone()
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(row_min, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        self.counts, self.row_min, self.row_max = counts, row_min, row_max
+
+    # ------------------------------------------------------------------------------------------- loading
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # noqa: D102, ANN001
+        # The row count is set by the first observed tensor: adopt the saved one (num_bins must match).
+        key = prefix + "counts"
+        if key in state_dict and state_dict[key].dim() == 2 and state_dict[key].shape[1] == self.num_bins:
+            self._allocate(state_dict[key].shape[0], self.counts.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+
+
+class HistogramRangeCalculatorBase(RangeCalculatorBase):
+    """Shared machinery of the histogram range calculators (``percentile``, ``mse``, ``entropy``).
+
+    Keeps one :class:`RowHistogram` (submodule ``histogram``) over the rows view, plus the buffer
+    ``qparam_shape`` (int64, the qparam shape of the observed tensor). Subclasses implement
+    :meth:`_rows_range`, which turns the histogram into per-row ``(min, max)``.
+
+    Both ends are clamped into the row's exact observed ``[min, max]``.
+    Rows that never saw a finite value report ``(+inf, -inf)`` (``compute_qparams`` treats those as 0),
+    like :class:`~coreai_opt.quantization.spec.range_calculator.MinMaxRangeCalculator`.
+
+    Args:
+        granularity: How elements are grouped into qparams.
+        num_bins: Histogram bins per row, a power of two ``>= 16``.
+    """
+
+    accumulates: ClassVar[bool] = True
+
+    def __init__(self, granularity: Granularity | None = None, *, num_bins: int = 2048) -> None:
+        super().__init__(granularity)
+        self.histogram = RowHistogram(num_bins)
+        self.register_buffer("qparam_shape", torch.zeros(0, dtype=torch.int64))
+        self._shape_known = False
+
+    @classmethod
+    def from_spec(cls, spec: QuantizationSpec) -> HistogramRangeCalculatorBase:  # noqa: D102
+        return cls(spec.granularity, num_bins=spec.num_bins)
+
+    @property
+    def num_bins(self) -> int:
+        """Bins per row."""
+        return self.histogram.num_bins
+
+    # ------------------------------------------------------------------------------------------- contract
+    def update(self, x: Tensor) -> None:
+        """Add the finite values of ``x`` to the per-row histograms (NaN/Inf ignored, one warning)."""
+        x = x.detach()
+        shape = torch.tensor(self.granularity.qparam_shape(x.shape), dtype=torch.int64, device=x.device)
+        if self._shape_known and not torch.equal(shape.cpu(), self.qparam_shape.cpu()):
+            raise ValueError(
+                f"{self.name}: observed a tensor with qparam shape {tuple(shape.tolist())} after "
+                f"{tuple(self.qparam_shape.tolist())}; call reset() before observing a differently shaped tensor"
+            )
+        if self.histogram.update(self.granularity.to_rows(x)):
+            self._warn_non_finite()
+        if not self._shape_known:
+            self.qparam_shape = shape
+            self._shape_known = True
+
+    def compute_range(self) -> tuple[Tensor, Tensor]:
+        """Return float32 ``(min_val, max_val)`` with the qparam shape."""
+        if not self.has_statistics:
+            raise RuntimeError(f"{self.name}: no finite value observed yet; call update() (calibrate) first")
+        hist = self.histogram
+        observed = torch.isfinite(hist.row_min)
+        lo, hi = self._rows_range(hist)
+        # Clamp both ends into the exact observed [min, max] (a constant row gives exactly (c, c)).
+        lo = torch.where(observed, torch.minimum(torch.maximum(lo, hist.row_min), hist.row_max), hist.row_min)
+        hi = torch.where(observed, torch.minimum(torch.maximum(hi, hist.row_min), hist.row_max), hist.row_max)
+        shape = tuple(int(d) for d in self.qparam_shape.tolist())
+        return lo.float().reshape(shape), hi.float().reshape(shape)
+
+    def _rows_range(self, hist: RowHistogram) -> tuple[Tensor, Tensor]:
+        """Per-row float64 ``(min, max)`` from the histogram (rows without data may return anything)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:  # noqa: D102
+        self.histogram.reset()
+        self.qparam_shape = torch.zeros(0, dtype=torch.int64, device=self.qparam_shape.device)
+        self._shape_known = False
+
+    @property
+    def has_statistics(self) -> bool:  # noqa: D102
+        return self.histogram.has_statistics
+
+    def merge_(self, other: HistogramRangeCalculatorBase) -> HistogramRangeCalculatorBase:
+        """Add another calculator's statistics (e.g. from another data shard) into this one, exactly."""
+        if other._shape_known and self._shape_known and not torch.equal(self.qparam_shape, other.qparam_shape):
+            raise ValueError(
+                f"{self.name}: cannot merge statistics of qparam shape {tuple(other.qparam_shape.tolist())} into "
+                f"{tuple(self.qparam_shape.tolist())}"
+            )
+        self.histogram.merge_(other.histogram)
+        if other._shape_known and not self._shape_known:
+            self.qparam_shape = other.qparam_shape.clone()
+            self._shape_known = True
+        return self
+
+    def all_reduce(self, group: object | None = None) -> None:
+        """Merge statistics across ranks; ranks that saw no data adopt the others' shape (see RowHistogram)."""
+        import torch.distributed as dist
+
+        device = self.histogram.counts.device
+        # [rank, dims..] (padded with -1) and its negation: MAX gives the shape and a consistency check.
+        packed = torch.full((_MAX_SHAPE_RANK + 1,), -1, dtype=torch.int64, device=device)
+        if self._shape_known:
+            dims = self.qparam_shape.to(device)
+            packed[0] = dims.numel()
+            packed[1 : 1 + dims.numel()] = dims
+            both = torch.cat([packed, -packed])
+        else:
+            both = torch.cat([packed, torch.full_like(packed, -(2**62))])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        high, low = both[: _MAX_SHAPE_RANK + 1], -both[_MAX_SHAPE_RANK + 1 :]
+        if int(high[0]) >= 0:
+            if not torch.equal(high, low):
+                raise ValueError(f"{self.name}: all_reduce found ranks that observed different qparam shapes")
+            if not self._shape_known:
+                self.qparam_shape = high[1 : 1 + int(high[0])].clone()
+                self._shape_known = True
+        self.histogram.all_reduce(group)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # noqa: D102, ANN001
+        key = prefix + "qparam_shape"
+        if key in state_dict:
+            self.qparam_shape = torch.empty_like(state_dict[key], device=self.qparam_shape.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+        counts = state_dict.get(prefix + "histogram.counts")
+        self._shape_known = counts is not None and counts.dim() == 2 and counts.shape[0] > 0

@@ -1,0 +1,210 @@
+"""``QuantizationSpec``: the frozen, validated description of one quantizer.
+
+A spec says *what* to quantize to (dtype, scheme, granularity) and *which parts* compute it (registry
+keys of the range calculator, qparams calculator and fake-quantize module, plus their few numeric knobs).
+Every part is built from the spec with ``cls.from_spec(spec)``.
+
+Validation happens once, at construction, and every message names the offending field and the fix:
+
+* ``dtype``: a name from :data:`~coreai_opt.quantization.spec.dtypes.SUPPORTED_DTYPES` or the matching
+  torch dtype (normalised to the name). Float8 dtypes must use a symmetric scheme.
+* registry keys must be registered *when the spec is built* (user-registered classes work); a registered
+  class is accepted too and normalised to its key.
+* a range calculator with ``accumulates = True`` (histograms) needs ``qparams_calculator="static"``;
+  a stateless qparams calculator (``"dynamic"``) needs ``range_calculator="minmax"`` and no ``float_range``.
+* ``float_range = (lo, hi)``: either end may be ``None`` (observed); ``lo ≤ 0 ≤ hi`` and ``lo < hi``.
+* ``0 < averaging_constant ≤ 1``, ``50 < percentile ≤ 100``, ``num_bins ≥ 16``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_serializer, field_validator, model_validator
+
+from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
+from coreai_opt.quantization.spec.granularity import Granularity, PerTensor, QuantizationScheme, granularity_from_dict
+from coreai_opt.quantization.spec.qparams_math import quant_range
+from coreai_opt.quantization.spec.registry import Registry
+
+__all__ = ["QuantizationSpec"]
+
+
+def _registries() -> dict[str, Registry]:
+    # Imported lazily: the calculator modules build parts *from* specs, so they import this module's type.
+    from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE
+    from coreai_opt.quantization.spec.qparams_calculators import QPARAMS_CALCULATORS
+    from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
+
+    return {
+        "range_calculator": RANGE_CALCULATORS,
+        "qparams_calculator": QPARAMS_CALCULATORS,
+        "fake_quantize": FAKE_QUANTIZE,
+    }
+
+
+class QuantizationSpec(BaseModel):
+    """How one tensor is quantized.
+
+    Attributes:
+        dtype: Quantized dtype name (``"int8"``, ``"uint4"``, ``"float8_e4m3fn"``, ...).
+        qscheme: ``symmetric`` (default), ``symmetric_with_clipping`` or ``asymmetric``.
+        granularity: :class:`PerTensor` (default), :class:`PerChannel` or :class:`PerBlock`, or their dicts.
+        range_calculator: Range calculator key (``"minmax"``, ``"percentile"``, ``"mse"``, ``"entropy"``).
+        qparams_calculator: ``"static"``, ``"moving_average"``, ``"global_minmax"`` or ``"dynamic"``.
+        float_range: Fixed ``(min, max)`` overriding the observed range; ``None`` ends are observed.
+        averaging_constant: EMA weight ``c`` of ``moving_average``: ``m ← (1 − c)·m + c·batch``.
+        percentile: Percentile kept by the ``"percentile"`` range calculator.
+        num_bins: Histogram bins of the histogram range calculators.
+        fake_quantize: Fake-quantize module key (``"default"``).
+
+    Example:
+        >>> s = QuantizationSpec(dtype=torch.int8, granularity={"type": "per_channel", "axis": 0})
+        >>> s.dtype, s.quant_min, s.quant_max, s.granularity
+        ('int8', -128, 127, PerChannel(axis=0))
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    dtype: str
+    qscheme: QuantizationScheme = QuantizationScheme.SYMMETRIC
+    granularity: Granularity = PerTensor()
+    range_calculator: str = "minmax"
+    qparams_calculator: str = "static"
+    float_range: tuple[float | None, float | None] | None = None
+    averaging_constant: float = 0.01
+    percentile: float = 99.99
+    num_bins: int = 2048
+    fake_quantize: str = "default"
+
+    # ----------------------------------------------------------------------------------- field validators
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _normalise_dtype(cls, value: Any) -> str:
+        if not isinstance(value, (str, torch.dtype)):
+            raise TypeError(f"dtype must be a string such as 'int8' or a torch dtype, got {value!r}")
+        return get_dtype_info(value).name
+
+    @field_validator("granularity", mode="before")
+    @classmethod
+    def _build_granularity(cls, value: Any) -> Granularity:
+        return granularity_from_dict(value)
+
+    @field_validator("range_calculator", "qparams_calculator", "fake_quantize", mode="before")
+    @classmethod
+    def _check_registry_key(cls, value: Any, info: ValidationInfo) -> str:
+        field = str(info.field_name)
+        registry = _registries()[field]
+        if isinstance(value, type):
+            return registry.key_of(registry.resolve(value))
+        if not isinstance(value, str):
+            raise TypeError(f"{field} must be a registry key (str) or a registered class, got {value!r}")
+        registry.get_class(value)  # raises listing the known keys
+        return value
+
+    @field_validator("float_range")
+    @classmethod
+    def _check_float_range(
+        cls, value: tuple[float | None, float | None] | None
+    ) -> tuple[float | None, float | None] | None:
+        if value is None or value == (None, None):
+            return None
+        lo, hi = value
+        for end in (lo, hi):
+            if end is not None and not math.isfinite(end):
+                raise ValueError(f"float_range={value!r} must contain finite numbers or None")
+        if lo is not None and lo > 0:
+            raise ValueError(f"float_range min {lo} must be <= 0 (the range always contains 0)")
+        if hi is not None and hi < 0:
+            raise ValueError(f"float_range max {hi} must be >= 0 (the range always contains 0)")
+        if lo is not None and hi is not None and not lo < hi:
+            raise ValueError(f"float_range={value!r} needs min < max")
+        return (lo, hi)
+
+    @field_validator("averaging_constant")
+    @classmethod
+    def _check_averaging_constant(cls, value: float) -> float:
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"averaging_constant={value} must satisfy 0 < averaging_constant <= 1")
+        return value
+
+    @field_validator("percentile")
+    @classmethod
+    def _check_percentile(cls, value: float) -> float:
+        if not 50.0 < value <= 100.0:
+            raise ValueError(f"percentile={value} must satisfy 50 < percentile <= 100")
+        return value
+
+    @field_validator("num_bins")
+    @classmethod
+    def _check_num_bins(cls, value: int) -> int:
+        if value < 16:
+            raise ValueError(f"num_bins={value} must be >= 16")
+        return value
+
+    # ------------------------------------------------------------------------------- cross-field checks
+    @model_validator(mode="after")
+    def _check_combination(self) -> QuantizationSpec:
+        info = self.dtype_info
+        if info.is_float and self.qscheme is QuantizationScheme.ASYMMETRIC:
+            raise ValueError(
+                f"qscheme='asymmetric' is invalid for dtype {self.dtype!r}: float8 has no zero point; "
+                "use qscheme='symmetric'"
+            )
+        registries = _registries()
+        range_cls = registries["range_calculator"].get_class(self.range_calculator)
+        qparams_cls = registries["qparams_calculator"].get_class(self.qparams_calculator)
+        if getattr(range_cls, "accumulates", False) and self.qparams_calculator != "static":
+            raise ValueError(
+                f"range_calculator={self.range_calculator!r} accumulates every batch itself and needs "
+                f"qparams_calculator='static', got qparams_calculator={self.qparams_calculator!r}"
+            )
+        if getattr(qparams_cls, "stateless", False):
+            if self.range_calculator != "minmax":
+                raise ValueError(
+                    f"qparams_calculator={self.qparams_calculator!r} recomputes qparams from each tensor and "
+                    f"needs range_calculator='minmax', got range_calculator={self.range_calculator!r}"
+                )
+            if self.float_range is not None:
+                raise ValueError(
+                    f"qparams_calculator={self.qparams_calculator!r} is stateless and cannot use float_range; "
+                    "drop float_range or use qparams_calculator='static'"
+                )
+        return self
+
+    # ------------------------------------------------------------------------------------ derived values
+    @property
+    def dtype_info(self) -> QuantDtype:
+        """The dtype table row of :attr:`dtype`."""
+        return get_dtype_info(self.dtype)
+
+    @property
+    def quant_min(self) -> int | float:
+        """Lowest quantized value (narrowed to ``-quant_max`` for signed ``symmetric_with_clipping``)."""
+        return quant_range(self.dtype_info, self.qscheme)[0]
+
+    @property
+    def quant_max(self) -> int | float:
+        """Highest quantized value."""
+        return quant_range(self.dtype_info, self.qscheme)[1]
+
+    # ------------------------------------------------------------------------------------- serialisation
+    @field_serializer("granularity")
+    def _serialise_granularity(self, value: Granularity) -> dict[str, Any]:
+        return value.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a plain, JSON-serialisable dict (granularity as its ``{"type": ...}`` dict)."""
+        data = self.model_dump(mode="json")
+        if data["float_range"] is not None:
+            data["float_range"] = list(data["float_range"])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantizationSpec:
+        """Build a spec from :meth:`to_dict` output (or any dict of fields)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"QuantizationSpec.from_dict expects a dict, got {type(data).__name__}")
+        return cls.model_validate(data)
