@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -82,22 +81,6 @@ def test_entropy_range_calculator_keeps_range_of_uniform_data():
     lo, hi = calc.compute_range()
     # Clipping a flat distribution piles mass into the last bin: the KL minimum is at the observed max.
     assert float(hi) >= 0.98 * float(x.max()) and float(lo) <= 0.98 * float(x.min())
-
-
-def test_entropy_range_calculator_runs_under_50_ms_for_2048_bins():
-    calc = EntropyRangeCalculator()
-    calc.update(_gaussian_with_outliers(30.0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            calc.compute_range()
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    assert min(times) < 0.05, times  # measured 4-10 ms on one loaded core
 
 
 def test_entropy_range_calculator_num_levels_follow_dtype_and_scheme():

@@ -228,26 +228,14 @@ def test_histogram_calculator_state_dict_round_trip_per_tensor_scalar_shape():
     assert fresh.compute_range()[1].shape == () and torch.equal(fresh.compute_range()[1], calc.compute_range()[1])
 
 
-def test_histogram_calculator_update_is_fast_on_a_large_activation():
-    import time
-
+def test_histogram_calculator_counts_every_element_of_a_large_activation():
     calc = PercentileRangeCalculator()
     x = torch.randn(10, 1, 320, 320, generator=torch.Generator().manual_seed(3))
-    calc.update(x)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the shared 2-core CI box is oversubscribed; one thread times reproducibly
-    try:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            calc.update(x)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    # ~1M elements in a few vectorised passes: measured ~30 ms on one loaded core (PyTorch's
-    # HistogramObserver took 69 ms per call on this shape before its rewrite, 6 ms after, PR #29790).
-    assert min(times) < 0.15, times
+    for _ in range(6):
+        calc.update(x)
+    # speed is measured in benchmarks/ (pipeline cost section), not asserted here
     assert int(calc.histogram.counts.sum()) == 6 * x.numel()
+    assert calc.histogram.counts.shape == (1, 2048)
 
 
 # ----------------------------------------------------------------------------------- torch.distributed

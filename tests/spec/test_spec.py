@@ -132,7 +132,8 @@ def test_spec_float_range_none_pair_normalises_to_none() -> None:
         ("averaging_constant", 1.5, "0 < averaging_constant <= 1"),
         ("percentile", 50.0, "50 < percentile <= 100"),
         ("percentile", 100.5, "50 < percentile <= 100"),
-        ("num_bins", 8, "num_bins=8 must be >= 16"),
+        ("num_bins", 8, "num_bins=8 must be a power of two >= 16"),
+        ("num_bins", 2000, "num_bins=2000 must be a power of two >= 16"),
     ],
 )
 def test_spec_numeric_knob_bounds(field: str, value: float, message: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from coreai_opt.quantization.spec.bias_fake_quantize import BiasFakeQuantize
 from coreai_opt.quantization.spec.dtypes import SUPPORTED_DTYPES, QuantDtype, get_dtype_info
+from coreai_opt.quantization.spec.entropy_range_calculator import EntropyRangeCalculator
 from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE, FakeQuantize
 from coreai_opt.quantization.spec.granularity import (
     Granularity,
@@ -16,6 +17,9 @@ from coreai_opt.quantization.spec.granularity import (
     QuantizationScheme,
     granularity_from_dict,
 )
+from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram
+from coreai_opt.quantization.spec.mse_range_calculator import MSERangeCalculator
+from coreai_opt.quantization.spec.percentile_range_calculator import PercentileRangeCalculator
 from coreai_opt.quantization.spec.qparams_calculator import (
     QPARAMS_CALCULATORS,
     QParamsCalculatorBase,
@@ -45,15 +49,19 @@ from coreai_opt.quantization.spec.spec import QuantizationSpec
 __all__ = [
     "BiasFakeQuantize",
     "DynamicQParamsCalculator",
+    "EntropyRangeCalculator",
     "FAKE_QUANTIZE",
     "FakeQuantize",
     "GlobalMinMaxQParamsCalculator",
     "Granularity",
+    "HistogramRangeCalculatorBase",
+    "MSERangeCalculator",
     "MinMaxRangeCalculator",
     "MovingAverageQParamsCalculator",
     "PerBlock",
     "PerChannel",
     "PerTensor",
+    "PercentileRangeCalculator",
     "QPARAMS_CALCULATORS",
     "QParams",
     "QParamsCalculatorBase",
@@ -63,6 +71,7 @@ __all__ = [
     "RANGE_CALCULATORS",
     "RangeCalculatorBase",
     "Registry",
+    "RowHistogram",
     "SCALE_EPS",
     "SUPPORTED_DTYPES",
     "SUPPORTED_OPSETS",

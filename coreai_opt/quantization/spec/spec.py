@@ -13,7 +13,7 @@ Validation happens once, at construction, and every message names the offending 
 * a range calculator with ``accumulates = True`` (histograms) needs ``qparams_calculator="static"``;
   a stateless qparams calculator (``"dynamic"``) needs ``range_calculator="minmax"`` and no ``float_range``.
 * ``float_range = (lo, hi)``: either end may be ``None`` (observed); ``lo ≤ 0 ≤ hi`` and ``lo < hi``.
-* ``0 < averaging_constant ≤ 1``, ``50 < percentile ≤ 100``, ``num_bins ≥ 16``.
+* ``0 < averaging_constant ≤ 1``, ``50 < percentile ≤ 100``, ``num_bins`` a power of two ≥ 16.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_serializer, fi
 
 from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
 from coreai_opt.quantization.spec.granularity import Granularity, PerTensor, QuantizationScheme, granularity_from_dict
+from coreai_opt.quantization.spec.histogram import check_num_bins
 from coreai_opt.quantization.spec.qparams_math import quant_range
 from coreai_opt.quantization.spec.registry import Registry
 
@@ -140,9 +141,7 @@ class QuantizationSpec(BaseModel):
     @field_validator("num_bins")
     @classmethod
     def _check_num_bins(cls, value: int) -> int:
-        if value < 16:
-            raise ValueError(f"num_bins={value} must be >= 16")
-        return value
+        return check_num_bins(value)
 
     # ------------------------------------------------------------------------------- cross-field checks
     @model_validator(mode="after")
