@@ -1,0 +1,284 @@
+"""Ready-made :class:`QuantizerConfig` presets, reachable as ``QuantizerConfig.presets.<name>()``.
+
+* ``w8``: int8 symmetric per-channel (axis 0) weights (minmax / static); float activations.
+* ``w4(block_size=32)``: int4 symmetric per-block (axis 1) weights; float activations.
+* ``w8a8``: int8 per-channel weights + uint8 asymmetric per-tensor activations (minmax / global_minmax).
+* ``w8a8_sym``: int8 per-channel weights + int8 symmetric per-tensor activations.
+* ``w4a8``: int4 per-block (axis 1, 32) weights + uint8 asymmetric per-tensor activations.
+* ``w8a16``: int8 per-channel weights + uint16 asymmetric per-tensor activations.
+* ``fp8``: float8_e4m3fn symmetric weights (per-channel, axis 0) and activations (per-tensor).
+
+``describe()`` returns this list as (name, weight summary, activation summary) rows, computed from the
+presets themselves.
+
+Choices:
+
+* ``w8a8`` (uint8 activations, int8 per-channel weights) is the onnxruntime x86 fast path: it fuses into
+  QLinearConv / QLinearMatMul / QGemm. ``w8a8_sym`` (int8 activations) leaves most convs in float there.
+* Per-block weights block along axis 1, the input channels of Linear ``[out, in]`` and Conv
+  ``[out, in, kh, kw]`` weights (the graph pass adjusts it for transposed convs).
+* ``w8a16`` uses **uint16 asymmetric** activations: onnxruntime has no fused 16-bit kernels, so neither int16
+  nor uint16 is a speed preset; it is an accuracy preset. Asymmetric uint16 spends no code on the empty half
+  of one-sided (post-ReLU, softmax) ranges, and matches onnxruntime's own 16-bit activation convention
+  (``QuantType.QUInt16``). It needs ONNX opset 21.
+* ``int32_bias`` is turned off where no per-output-channel weight scale exists (per-block weights) or where
+  integer accumulation does not apply (fp8); biases then stay float.
+* Activation range choice (``activation_range``): ``"minmax"`` (global min/max over calibration, qparams
+  calculator ``"global_minmax"``), ``"moving_average"`` (min/max smoothed per batch, qparams calculator
+  ``"moving_average"``), and the histogram calculators ``"percentile"``, ``"mse"``, ``"entropy"`` (qparams
+  calculator ``"static"``: the histogram already summarises every batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from coreai_opt.config.quantizer_config import QuantizerConfig
+from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, QuantizationScheme, QuantizationSpec
+
+__all__ = [
+    "ACTIVATION_RANGES",
+    "PresetInfo",
+    "Presets",
+    "describe",
+    "fp8",
+    "get",
+    "names",
+    "w4",
+    "w4a8",
+    "w8",
+    "w8a8",
+    "w8a8_sym",
+    "w8a16",
+]
+
+#: ``activation_range`` choice -> (range calculator, qparams calculator).
+ACTIVATION_RANGES: dict[str, tuple[str, str]] = {
+    "minmax": ("minmax", "global_minmax"),
+    "moving_average": ("minmax", "moving_average"),
+    "percentile": ("percentile", "static"),
+    "mse": ("mse", "static"),
+    "entropy": ("entropy", "static"),
+}
+
+
+class PresetInfo(NamedTuple):
+    """One row of :func:`describe`.
+
+    Attributes:
+        name: Preset name.
+        weight: Human-readable weight spec summary, or ``"float"``.
+        activation: Human-readable activation spec summary, or ``"float"``.
+    """
+
+    name: str
+    weight: str
+    activation: str
+
+
+def _per_channel_weight(dtype: str) -> QuantizationSpec:
+    return QuantizationSpec(
+        dtype=dtype,
+        qscheme=QuantizationScheme.SYMMETRIC,
+        granularity=PerChannel(axis=0),
+        range_calculator="minmax",
+        qparams_calculator="static",
+    )
+
+
+def _per_block_weight(dtype: str, block_size: int) -> QuantizationSpec:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int (e.g. 32), got {block_size!r}")
+    return QuantizationSpec(
+        dtype=dtype,
+        qscheme=QuantizationScheme.SYMMETRIC,
+        granularity=PerBlock(axis=1, block_size=block_size),
+        range_calculator="minmax",
+        qparams_calculator="static",
+    )
+
+
+def _activation(
+    dtype: str, qscheme: QuantizationScheme, activation_range: str, percentile: float | None
+) -> QuantizationSpec:
+    if activation_range not in ACTIVATION_RANGES:
+        raise ValueError(
+            f"unknown activation_range {activation_range!r}; valid choices: {', '.join(ACTIVATION_RANGES)}"
+        )
+    range_calculator, qparams_calculator = ACTIVATION_RANGES[activation_range]
+    if percentile is None:
+        return QuantizationSpec(
+            dtype=dtype,
+            qscheme=qscheme,
+            granularity=PerTensor(),
+            range_calculator=range_calculator,
+            qparams_calculator=qparams_calculator,
+        )
+    if activation_range != "percentile":
+        raise ValueError(
+            f"percentile={percentile!r} only applies to activation_range='percentile', "
+            f"not {activation_range!r}; drop percentile or set activation_range='percentile'"
+        )
+    return QuantizationSpec(
+        dtype=dtype,
+        qscheme=qscheme,
+        granularity=PerTensor(),
+        range_calculator=range_calculator,
+        qparams_calculator=qparams_calculator,
+        percentile=percentile,
+    )
+
+
+def w8() -> QuantizerConfig:
+    """Int8 symmetric per-channel (axis 0) weights, minmax range, static qparams; activations float."""
+    return QuantizerConfig(weight=_per_channel_weight("int8"), activation=None)
+
+
+def w4(block_size: int = 32) -> QuantizerConfig:
+    """Int4 symmetric per-block weights (axis 1, ``block_size``), activations float.
+
+    Args:
+        block_size: Elements per block along the input channels; must divide every quantized weight's
+            input-channel count.
+    """
+    return QuantizerConfig(weight=_per_block_weight("int4", block_size), activation=None, int32_bias=False)
+
+
+def w8a8(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
+    """Int8 per-channel weights + uint8 asymmetric per-tensor activations: the onnxruntime x86 fast path.
+
+    Args:
+        activation_range: One of :data:`ACTIVATION_RANGES` (default ``"minmax"``: global min/max).
+        percentile: Percentile for ``activation_range="percentile"`` (spec default when None).
+    """
+    return QuantizerConfig(
+        weight=_per_channel_weight("int8"),
+        activation=_activation("uint8", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
+    )
+
+
+def w8a8_sym(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
+    """Int8 per-channel weights + int8 symmetric per-tensor activations.
+
+    Args:
+        activation_range: One of :data:`ACTIVATION_RANGES`.
+        percentile: Percentile for ``activation_range="percentile"``.
+    """
+    return QuantizerConfig(
+        weight=_per_channel_weight("int8"),
+        activation=_activation("int8", QuantizationScheme.SYMMETRIC, activation_range, percentile),
+    )
+
+
+def w4a8(block_size: int = 32, activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
+    """Int4 symmetric per-block weights + uint8 asymmetric per-tensor activations; biases stay float.
+
+    Args:
+        block_size: Elements per weight block along the input channels.
+        activation_range: One of :data:`ACTIVATION_RANGES`.
+        percentile: Percentile for ``activation_range="percentile"``.
+    """
+    return QuantizerConfig(
+        weight=_per_block_weight("int4", block_size),
+        activation=_activation("uint8", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
+        int32_bias=False,
+    )
+
+
+def w8a16(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
+    """Int8 per-channel weights + uint16 asymmetric per-tensor activations (accuracy preset; opset 21).
+
+    Args:
+        activation_range: One of :data:`ACTIVATION_RANGES`.
+        percentile: Percentile for ``activation_range="percentile"``.
+    """
+    return QuantizerConfig(
+        weight=_per_channel_weight("int8"),
+        activation=_activation("uint16", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
+    )
+
+
+def fp8(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
+    """float8_e4m3fn symmetric weights (per-channel, axis 0) and activations (per-tensor); biases stay float.
+
+    Args:
+        activation_range: One of :data:`ACTIVATION_RANGES`.
+        percentile: Percentile for ``activation_range="percentile"``.
+    """
+    return QuantizerConfig(
+        weight=_per_channel_weight("float8_e4m3fn"),
+        activation=_activation("float8_e4m3fn", QuantizationScheme.SYMMETRIC, activation_range, percentile),
+        int32_bias=False,
+    )
+
+
+_PRESETS: dict[str, Callable[..., QuantizerConfig]] = {
+    "w8": w8,
+    "w4": w4,
+    "w8a8": w8a8,
+    "w8a8_sym": w8a8_sym,
+    "w4a8": w4a8,
+    "w8a16": w8a16,
+    "fp8": fp8,
+}
+
+
+def names() -> tuple[str, ...]:
+    """Return the preset names in table order."""
+    return tuple(_PRESETS)
+
+
+def get(name: str) -> Callable[..., QuantizerConfig]:
+    """Return the preset factory called ``name`` (call it, with options, to build the config).
+
+    Raises:
+        ValueError: Unknown name; the message lists the valid names.
+    """
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(_PRESETS)}")
+    return _PRESETS[name]
+
+
+def _granularity_summary(spec: QuantizationSpec) -> str:
+    g = spec.granularity
+    if isinstance(g, PerBlock):
+        return f"per-block(axis={g.axis}, block_size={g.block_size})"
+    if isinstance(g, PerChannel):
+        return f"per-channel(axis={g.axis})"
+    return "per-tensor"
+
+
+def summarize_spec(spec: QuantizationSpec | None) -> str:
+    """One-line summary of a spec, e.g. ``"uint8 asymmetric per-tensor, minmax/global_minmax"``; None -> float."""
+    if spec is None:
+        return "float"
+    qscheme = QuantizationScheme(spec.qscheme).value
+    return f"{spec.dtype} {qscheme} {_granularity_summary(spec)}, {spec.range_calculator}/{spec.qparams_calculator}"
+
+
+def describe() -> list[PresetInfo]:
+    """Return one :class:`PresetInfo` per preset (default options), computed from the built configs."""
+    rows = []
+    for name, factory in _PRESETS.items():
+        config = factory()
+        rows.append(PresetInfo(name, summarize_spec(config.weight), summarize_spec(config.activation)))
+    return rows
+
+
+class Presets:
+    """The ``QuantizerConfig.presets`` namespace: the preset factories plus ``names``, ``get``, ``describe``."""
+
+    w8 = staticmethod(w8)
+    w4 = staticmethod(w4)
+    w8a8 = staticmethod(w8a8)
+    w8a8_sym = staticmethod(w8a8_sym)
+    w4a8 = staticmethod(w4a8)
+    w8a16 = staticmethod(w8a16)
+    fp8 = staticmethod(fp8)
+    names = staticmethod(names)
+    get = staticmethod(get)
+    describe = staticmethod(describe)
+
+
+QuantizerConfig.presets = Presets

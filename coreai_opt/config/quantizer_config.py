@@ -1,0 +1,626 @@
+r"""``QuantizerConfig``: which tensors get quantized with which :class:`QuantizationSpec`.
+
+A config has four precedence levels, highest first::
+
+    module_name  (regex, re.fullmatch on the module's qualified name, e.g. "layer1\.0\.conv1")
+    module_type  (a torch.nn.Module class; subclasses match too)
+    op_kind      ("conv", "linear", "add", ... see OP_KINDS)
+    global       (QuantizerConfig.weight / QuantizerConfig.activation)
+
+Each level maps keys to an :class:`OpConfig` (or to ``None``). ``weight`` and ``activation`` are resolved
+independently: for each of them, the highest level whose matching entry *sets* the field wins.
+
+Three states per field
+======================
+
+``OpConfig`` distinguishes, for ``weight`` and for ``activation``:
+
+* **unset** (the field was not passed): inherit from the next lower level;
+* **set to None**: leave the tensor in float at this level (lower levels are ignored);
+* **set to a spec**: quantize with that spec.
+
+The distinction is pydantic's ``model_fields_set``: ``OpConfig(weight=spec)`` sets only ``weight``,
+``OpConfig(weight=spec, activation=None)`` also pins activations to float. ``OpConfig.is_set(field)`` reads it,
+``to_dict()`` only writes set fields, and equality takes it into account. A whole entry of ``None``
+(``set_op_kind("softmax", None)``) means "everything float" at that level.
+
+Ordering within a level
+=======================
+
+* ``module_name``: when several regexes match one module, later entries win (insertion order; a setter
+  call on an existing key moves it to the end, so the most recent call wins).
+* ``module_type``: the configured class nearest in the module's MRO wins (its own class before its bases).
+  Keys that name the same class (``"torch.nn.Conv2d"`` and ``"torch.nn.modules.conv.Conv2d"``) are merged,
+  the later one winning.
+
+Mutation
+========
+
+``QuantizerConfig`` is a mutable pydantic model (``validate_assignment=True``). The chainable setters
+(``set_global``, ``set_op_kind``, ``set_module_type``, ``set_module_name``) validate, modify the config in
+place and return ``self``, so both ``cfg.set_op_kind(...)`` and ``cfg = cfg.set_op_kind(...).set_...(...)``
+work. Use ``cfg.model_copy(deep=True)`` for an independent copy. Mutate through the setters (or by assigning
+whole fields); editing the dicts in place bypasses validation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Iterable, Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+
+from coreai_opt.quantization.spec import QuantizationSpec
+
+__all__ = ["OP_KINDS", "UNSET", "OpConfig", "QuantizerConfig", "ResolvedSpecs", "normalize_module_type"]
+
+#: The op kinds a config can target with ``op_kind`` (the graph pass labels every quantizable node with one).
+OP_KINDS: tuple[str, ...] = (
+    "conv",
+    "conv_transpose",
+    "linear",
+    "matmul",
+    "embedding",
+    "add",
+    "mul",
+    "sub",
+    "div",
+    "cat",
+    "layer_norm",
+    "group_norm",
+    "softmax",
+    "gelu",
+    "silu",
+    "hardswish",
+    "sigmoid",
+    "tanh",
+    "relu",
+    "interpolate",
+    "avg_pool",
+    "max_pool",
+)
+
+_SPEC_FIELDS: tuple[str, ...] = ("weight", "activation")
+
+
+class _Unset(Enum):
+    """Type of :data:`UNSET`, the "argument not given" marker of :meth:`QuantizerConfig.set_global`."""
+
+    UNSET = "UNSET"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+#: Default of :meth:`QuantizerConfig.set_global` arguments: "leave this field as it is" (``None`` means float).
+UNSET = _Unset.UNSET
+
+
+class ResolvedSpecs(NamedTuple):
+    r"""What :meth:`QuantizerConfig.resolve` decided for one op.
+
+    Attributes:
+        weight: Spec for the op's weight, or None to keep it in float.
+        activation: Spec for the op's activations, or None to keep them in float.
+        source: Which entry decided, e.g. ``"module_name:'layer1\..*'"``,
+            ``"module_type:torch.nn.modules.conv.Conv2d"``, ``"op_kind:conv"`` or ``"global"``. When weight and
+            activation come from different entries: ``"weight from <source>; activation from <source>"``.
+    """
+
+    weight: QuantizationSpec | None
+    activation: QuantizationSpec | None
+    source: str
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Conversion helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """Convert tuples to lists and enums to their values, recursively, so the result is YAML/JSON-safe."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _error_text(exc: Exception) -> str:
+    """One-line text of ``exc``; pydantic errors become ``"loc: msg; ..."`` (our own messages name their key)."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    parts = []
+    for err in exc.errors(include_url=False):
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            parts.append(msg.removeprefix("Value error, "))
+        else:
+            loc = ".".join(str(p) for p in err["loc"])
+            parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def _spec_to_dict(spec: QuantizationSpec | None) -> dict[str, Any] | None:
+    return None if spec is None else _plain(spec.to_dict())
+
+
+def _spec_from_value(value: Any, where: str) -> QuantizationSpec | None:
+    """Accept a spec, a spec dict or None; name ``where`` in any error."""
+    if value is None or isinstance(value, QuantizationSpec):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return QuantizationSpec.from_dict(dict(value))
+        except TypeError as exc:
+            raise TypeError(f"{where}: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where}: {_error_text(exc)}") from exc
+    raise TypeError(
+        f"{where} must be a QuantizationSpec, a dict accepted by QuantizationSpec.from_dict, or None (float); "
+        f"got {type(value).__name__}: {value!r}"
+    )
+
+
+def _check_keys(data: Mapping[str, Any], valid: Iterable[str], where: str) -> None:
+    valid = tuple(valid)
+    for key in data:
+        if key not in valid:
+            raise ValueError(f"{where} got unknown key {key!r}; valid keys: {', '.join(valid)}")
+
+
+def _require_mapping(data: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{where} must be a dict, got {type(data).__name__}: {data!r}")
+    return data
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _import_class(name: str) -> type | None:
+    """Import ``"pkg.mod.Class"`` (or ``"pkg.mod.Outer.Inner"``); None when no prefix imports to a class."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        return obj if isinstance(obj, type) else None
+    return None
+
+
+def normalize_module_type(key: type | str) -> str:
+    """Return the canonical ``module_type`` key: the class's ``__module__ + "." + __qualname__``.
+
+    Args:
+        key: A ``torch.nn.Module`` subclass, or the fully qualified name of one. Aliases resolve by import:
+            ``"torch.nn.Conv2d"`` -> ``"torch.nn.modules.conv.Conv2d"``.
+
+    Raises:
+        ValueError: A string that does not import to a class (short names like ``"Conv2d"`` included).
+        TypeError: Neither a class nor a string, or a class that is not a ``torch.nn.Module`` subclass.
+    """
+    if isinstance(key, str):
+        cls = _import_class(key) if "." in key else None
+        if cls is None:
+            raise ValueError(
+                f"module_type key {key!r} does not import to a class; use a fully qualified class name such as "
+                "'torch.nn.Conv2d' or pass the class itself"
+            )
+    elif isinstance(key, type):
+        cls = key
+    else:
+        raise TypeError(f"module_type key must be a class or a fully qualified class name, got {key!r}")
+    if not issubclass(cls, torch.nn.Module):
+        raise TypeError(f"module_type key {key!r} names {_qualified_name(cls)}, which is not a torch.nn.Module")
+    return _qualified_name(cls)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# OpConfig
+# --------------------------------------------------------------------------------------------------------------
+
+
+class OpConfig(BaseModel):
+    """Weight and activation specs for one entry of a precedence level.
+
+    Each field is unset (inherit from the lower level), None (float) or a spec; see the module docstring.
+
+    Args:
+        weight: Spec for weights, None for float, or leave it out to inherit.
+        activation: Spec for activations, None for float, or leave it out to inherit.
+
+    Example:
+        >>> OpConfig(activation=None).is_set("weight"), OpConfig(activation=None).is_set("activation")
+        (False, True)
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weight: QuantizationSpec | None = None
+    activation: QuantizationSpec | None = None
+
+    @field_validator("weight", "activation", mode="before")
+    @classmethod
+    def _coerce_spec(cls, value: Any, info: Any) -> QuantizationSpec | None:
+        return _spec_from_value(value, f"OpConfig.{info.field_name}")
+
+    def is_set(self, field: Literal["weight", "activation"]) -> bool:
+        """Return True when ``field`` was given explicitly (as a spec or as None).
+
+        Raises:
+            ValueError: ``field`` is not ``"weight"`` or ``"activation"``.
+        """
+        if field not in _SPEC_FIELDS:
+            raise ValueError(f"OpConfig has no field {field!r}; use 'weight' or 'activation'")
+        return field in self.model_fields_set
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a plain dict holding only the set fields (an unset field is absent, a float one is None)."""
+        return {f: _spec_to_dict(getattr(self, f)) for f in _SPEC_FIELDS if self.is_set(f)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OpConfig:
+        """Build from :meth:`to_dict` output; absent keys stay unset.
+
+        Raises:
+            ValueError: Unknown key (named) or invalid spec.
+            TypeError: ``data`` is not a dict.
+        """
+        data = _require_mapping(data, "OpConfig")
+        _check_keys(data, _SPEC_FIELDS, "OpConfig")
+        return cls.model_validate(dict(data))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, OpConfig):
+            return NotImplemented
+        return self.model_fields_set == other.model_fields_set and all(
+            getattr(self, f) == getattr(other, f) for f in _SPEC_FIELDS
+        )
+
+    def __hash__(self) -> int:
+        return hash((frozenset(self.model_fields_set), self.weight, self.activation))
+
+
+def _op_config_from_value(value: Any, where: str) -> OpConfig | None:
+    if value is None or isinstance(value, OpConfig):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return OpConfig.from_dict(value)
+        except TypeError as exc:
+            raise TypeError(f"{where}: {exc}") from exc
+        except ValueError as exc:
+            raise ValueError(f"{where}: {_error_text(exc)}") from exc
+    raise TypeError(f"{where} must be an OpConfig, a dict or None (float); got {type(value).__name__}: {value!r}")
+
+
+def _validate_regex(pattern: Any) -> str:
+    if not isinstance(pattern, str):
+        raise TypeError(f"module_name key must be a regex string, got {type(pattern).__name__}: {pattern!r}")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(
+            f"module_name key {pattern!r} is not a valid regex ({exc}); escape literal characters with re.escape"
+        ) from exc
+    return pattern
+
+
+def _validate_op_kind(kind: Any) -> str:
+    if kind not in OP_KINDS:
+        raise ValueError(f"unknown op kind {kind!r} in op_kind; valid op kinds: {', '.join(OP_KINDS)}")
+    return kind
+
+
+_KEY_NORMALIZERS = {
+    "op_kind": _validate_op_kind,
+    "module_type": normalize_module_type,
+    "module_name": _validate_regex,
+}
+
+
+def _normalize_level(level: str, value: Any) -> dict[str, OpConfig | None]:
+    """Validate one level dict: normalise keys (later duplicates win, moved last) and coerce values."""
+    mapping = _require_mapping(value, level)
+    out: dict[str, OpConfig | None] = {}
+    for raw_key, entry in mapping.items():
+        key = _KEY_NORMALIZERS[level](raw_key)
+        out.pop(key, None)
+        out[key] = _op_config_from_value(entry, f"{level}[{key!r}]")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# QuantizerConfig
+# --------------------------------------------------------------------------------------------------------------
+
+
+class QuantizerConfig(BaseModel):
+    """The quantization config passed to ``prepare``.
+
+    Start from a preset (``QuantizerConfig.presets.w8a8()``) or build one; ``QuantizerConfig()`` quantizes
+    nothing (global weight and activation are None = float).
+
+    Attributes:
+        weight: Global weight spec (None = float weights).
+        activation: Global activation spec (None = float activations).
+        op_kind: Per op kind entries; keys from :data:`OP_KINDS`.
+        module_type: Per module class entries; keys normalised to ``module.qualname`` (classes accepted).
+        module_name: Per module name entries; keys are regexes matched with ``re.fullmatch``.
+        int32_bias: Quantize conv/linear biases to int32 with scale ``s_in * s_w`` when both the input and the
+            weight are quantized.
+        fold_batchnorm: Fold BatchNorm into the preceding conv/linear before inserting quantizers.
+        fixed_range_outputs: sigmoid/softmax outputs use the fixed range [0, 1] and tanh outputs [-1, 1]
+            instead of calibrated ranges.
+
+    Example:
+        >>> cfg = QuantizerConfig.presets.w8a8().set_op_kind("softmax", None)
+        >>> cfg.resolve("softmax", "attn.softmax", None).activation is None
+        True
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    #: Preset namespace (``w8``, ``w4``, ``w8a8``, ...), attached by :mod:`coreai_opt.config.presets`.
+    presets: ClassVar[Any]
+
+    weight: QuantizationSpec | None = None
+    activation: QuantizationSpec | None = None
+    op_kind: dict[str, OpConfig | None] = Field(default_factory=dict)
+    module_type: dict[str, OpConfig | None] = Field(default_factory=dict)
+    module_name: dict[str, OpConfig | None] = Field(default_factory=dict)
+    int32_bias: StrictBool = True
+    fold_batchnorm: StrictBool = True
+    fixed_range_outputs: StrictBool = True
+
+    @field_validator("weight", "activation", mode="before")
+    @classmethod
+    def _coerce_global_spec(cls, value: Any, info: Any) -> QuantizationSpec | None:
+        return _spec_from_value(value, f"QuantizerConfig.{info.field_name}")
+
+    @field_validator("op_kind", "module_type", "module_name", mode="before")
+    @classmethod
+    def _coerce_level(cls, value: Any, info: Any) -> dict[str, OpConfig | None]:
+        return _normalize_level(info.field_name, value)
+
+    # ---- chainable setters ---------------------------------------------------------------------------------
+
+    def set_global(
+        self,
+        *,
+        weight: QuantizationSpec | None | _Unset = UNSET,
+        activation: QuantizationSpec | None | _Unset = UNSET,
+    ) -> QuantizerConfig:
+        """Set the global weight and/or activation spec in place; arguments left out are unchanged.
+
+        Args:
+            weight: Global weight spec, or None for float weights.
+            activation: Global activation spec, or None for float activations.
+
+        Returns:
+            ``self``, for chaining.
+        """
+        if weight is not UNSET:
+            self.weight = weight
+        if activation is not UNSET:
+            self.activation = activation
+        return self
+
+    def set_op_kind(self, kind: str, config: OpConfig | None) -> QuantizerConfig:
+        """Set (or replace) the entry for op kind ``kind``; None keeps that kind entirely in float.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            ValueError: ``kind`` is not in :data:`OP_KINDS` (the message lists them).
+        """
+        self.op_kind = self._with_entry(self.op_kind, _validate_op_kind(kind), config)
+        return self
+
+    def set_module_type(self, module_type: type | str, config: OpConfig | None) -> QuantizerConfig:
+        """Set (or replace) the entry for a module class (subclasses match too); None keeps it in float.
+
+        Args:
+            module_type: A ``torch.nn.Module`` subclass or its fully qualified name (``"torch.nn.Conv2d"``).
+            config: The entry.
+
+        Returns:
+            ``self``, for chaining.
+        """
+        self.module_type = self._with_entry(self.module_type, normalize_module_type(module_type), config)
+        return self
+
+    def set_module_name(self, pattern: str, config: OpConfig | None) -> QuantizerConfig:
+        """Set (or replace) the entry for module names that ``re.fullmatch`` ``pattern``; None keeps them float.
+
+        The entry moves to the end of ``module_name``, so it wins over every earlier matching pattern.
+
+        Returns:
+            ``self``, for chaining.
+
+        Raises:
+            ValueError: ``pattern`` is not a valid regex.
+        """
+        self.module_name = self._with_entry(self.module_name, _validate_regex(pattern), config)
+        return self
+
+    @staticmethod
+    def _with_entry(level: dict[str, OpConfig | None], key: str, config: OpConfig | None) -> dict[str, OpConfig | None]:
+        updated = {k: v for k, v in level.items() if k != key}
+        updated[key] = config
+        return updated
+
+    # ---- resolution ------------------------------------------------------------------------------------------
+
+    def resolve(self, op_kind: str, module_name: str | None, module_type: type | None) -> ResolvedSpecs:
+        """Decide the weight and activation specs of one op.
+
+        Precedence: module name > module type > op kind > global. For weight and activation independently,
+        the highest-precedence matching entry that sets the field wins (an entry of None sets both to float).
+        Within ``module_name`` later patterns win; within ``module_type`` the nearest class in the MRO wins.
+
+        Args:
+            op_kind: The node's op kind, a str or str-valued Enum (kinds outside :data:`OP_KINDS` simply have
+                no op-kind entry).
+            module_name: Qualified name of the module that owns the op (``"layer1.0.conv1"``), or None.
+            module_type: Class of that module, or None.
+
+        Returns:
+            The resolved specs and which entry decided them.
+
+        Raises:
+            TypeError: Arguments of the wrong type.
+        """
+        if not isinstance(op_kind, str):
+            raise TypeError(f"resolve: op_kind must be a str, got {op_kind!r}")
+        if isinstance(op_kind, Enum):  # the graph pass's str-valued OpKind
+            op_kind = op_kind.value
+        if module_name is not None and not isinstance(module_name, str):
+            raise TypeError(f"resolve: module_name must be a str or None, got {module_name!r}")
+        if module_type is not None and not isinstance(module_type, type):
+            raise TypeError(f"resolve: module_type must be a class or None, got {module_type!r}")
+
+        candidates: list[tuple[str, OpConfig | None]] = []
+        if module_name is not None:
+            for pattern, entry in reversed(self.module_name.items()):
+                if re.fullmatch(pattern, module_name):
+                    candidates.append((f"module_name:'{pattern}'", entry))
+        if module_type is not None:
+            for cls in module_type.__mro__:
+                key = _qualified_name(cls)
+                if key in self.module_type:
+                    candidates.append((f"module_type:{key}", self.module_type[key]))
+        if op_kind in self.op_kind:
+            candidates.append((f"op_kind:{op_kind}", self.op_kind[op_kind]))
+        candidates.append(("global", OpConfig(weight=self.weight, activation=self.activation)))
+
+        weight, weight_source = self._pick(candidates, "weight")
+        activation, activation_source = self._pick(candidates, "activation")
+        if weight_source == activation_source:
+            source = weight_source
+        else:
+            source = f"weight from {weight_source}; activation from {activation_source}"
+        return ResolvedSpecs(weight, activation, source)
+
+    @staticmethod
+    def _pick(
+        candidates: list[tuple[str, OpConfig | None]], field: Literal["weight", "activation"]
+    ) -> tuple[QuantizationSpec | None, str]:
+        for source, entry in candidates:
+            if entry is None:
+                return None, source
+            if entry.is_set(field):
+                return getattr(entry, field), source
+        raise AssertionError("the global candidate always sets both fields")  # pragma: no cover
+
+    def unused_module_name_patterns(self, names: Iterable[str]) -> list[str]:
+        """Return the ``module_name`` patterns that fullmatch none of ``names`` (in config order).
+
+        Args:
+            names: Every module name of the model (e.g. ``[n for n, _ in model.named_modules()]``).
+
+        Raises:
+            TypeError: ``names`` is a single string.
+        """
+        if isinstance(names, str):
+            raise TypeError("unused_module_name_patterns expects an iterable of module names, not a single string")
+        name_list = list(names)
+        return [p for p in self.module_name if not any(re.fullmatch(p, n) for n in name_list)]
+
+    # ---- serialisation ---------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a plain JSON/YAML-able dict; :meth:`from_dict` rebuilds an equal config.
+
+        Classes defined inside functions (``<locals>`` in the qualname) cannot be re-imported, so a config
+        with such a ``module_type`` key does not survive the round trip.
+        """
+        return {
+            "weight": _spec_to_dict(self.weight),
+            "activation": _spec_to_dict(self.activation),
+            "op_kind": self._level_to_dict(self.op_kind),
+            "module_type": self._level_to_dict(self.module_type),
+            "module_name": self._level_to_dict(self.module_name),
+            "int32_bias": self.int32_bias,
+            "fold_batchnorm": self.fold_batchnorm,
+            "fixed_range_outputs": self.fixed_range_outputs,
+        }
+
+    @staticmethod
+    def _level_to_dict(level: dict[str, OpConfig | None]) -> dict[str, Any]:
+        return {k: None if v is None else v.to_dict() for k, v in level.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> QuantizerConfig:
+        """Build from a plain dict (the :meth:`to_dict` layout); absent keys take their defaults.
+
+        Raises:
+            ValueError: Unknown key at any level (named, with the valid keys), unknown op kind, invalid regex,
+                unimportable module type or invalid spec.
+            TypeError: A value of the wrong type.
+        """
+        data = _require_mapping(data, "QuantizerConfig")
+        _check_keys(data, cls.model_fields, "QuantizerConfig")
+        return cls.model_validate(dict(data))
+
+    @classmethod
+    def from_yaml(cls, path_or_text: str | os.PathLike[str]) -> QuantizerConfig:
+        """Build from YAML text or a YAML file (the :meth:`to_dict` layout).
+
+        Args:
+            path_or_text: A ``pathlib.Path``/``os.PathLike``, a one-line string ending in ``.yaml``/``.yml``
+                (read as a file path), or YAML text.
+
+        Raises:
+            FileNotFoundError: The path does not exist.
+            TypeError: The document is not a mapping.
+            ValueError: As :meth:`from_dict`.
+        """
+        if isinstance(path_or_text, os.PathLike) or (
+            isinstance(path_or_text, str)
+            and "\n" not in path_or_text
+            and path_or_text.strip().endswith((".yaml", ".yml"))
+        ):
+            text = Path(path_or_text).read_text(encoding="utf-8")
+        elif isinstance(path_or_text, str):
+            text = path_or_text
+        else:
+            raise TypeError(f"from_yaml expects YAML text or a path, got {type(path_or_text).__name__}")
+        data = yaml.safe_load(text)
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"QuantizerConfig YAML must hold a mapping with keys such as 'weight' and 'activation', got "
+                f"{type(data).__name__}: {data!r}"
+            )
+        return cls.from_dict(data)
+
+    def to_yaml(self) -> str:
+        """Return :meth:`to_dict` as YAML text (key order kept)."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_preset(cls, name: str) -> QuantizerConfig:
+        """Build the preset called ``name`` with its default options (``"w8a8"``, ``"w4"``, ...).
+
+        Raises:
+            ValueError: Unknown preset; the message lists the valid names.
+        """
+        return cls.presets.get(name)()
