@@ -1,0 +1,15 @@
+"""ONNX export, onnxruntime verification and fusion reporting for converted coreai_opt models.
+
+* :func:`export_onnx` writes a checked QDQ model (weights stored quantized, opset chosen from the dtypes).
+* :func:`verify_onnx` compares onnxruntime with the eager converted model and returns a
+  :class:`VerificationReport`.
+* :func:`fusion_report` shows which convolutions and matrix products onnxruntime runs as integer kernels.
+"""
+
+from __future__ import annotations
+
+from coreai_opt.onnx.export import export_onnx
+from coreai_opt.onnx.fusion_report import FusionReport, fusion_report
+from coreai_opt.onnx.verify import VerificationReport, verify_onnx
+
+__all__ = ["export_onnx", "verify_onnx", "fusion_report", "VerificationReport", "FusionReport"]

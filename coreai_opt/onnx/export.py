@@ -1,0 +1,193 @@
+"""``export_onnx``: a converted model -> one checked, deterministic ONNX QDQ file.
+
+Recipe: check the model is converted -> pick the opset from its quantizers (:mod:`coreai_opt.onnx.opset`) ->
+``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> store constant
+weights quantized (:mod:`coreai_opt.onnx.fold_quantized_weights`) -> store transposed weights transposed
+(:mod:`coreai_opt.onnx.transpose_weights`) -> keep only the ``namespace`` entry of the
+exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.save`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
+from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
+from coreai_opt.onnx.opset import select_opset
+from coreai_opt.onnx.save import check_output_path, save_model_atomically
+from coreai_opt.onnx.transpose_weights import transpose_dequantized_weights
+from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize_translation_table
+
+__all__ = ["export_onnx", "BATCH_DIM_NAME"]
+
+#: Name of the symbolic batch dimension in the exported graph.
+BATCH_DIM_NAME = "batch"
+#: Exporter node metadata kept in the file (the module path each node came from).
+_KEPT_NODE_METADATA = frozenset({"namespace"})
+
+
+def _as_input_tuple(example_inputs: object) -> tuple[torch.Tensor, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in example_inputs):
+        if not example_inputs:
+            raise ValueError("example_inputs is empty; pass the tensor(s) the model's forward takes")
+        return tuple(example_inputs)
+    raise TypeError(
+        "example_inputs must be a tensor or a tuple of tensors (one per forward argument), "
+        f"got {type(example_inputs).__name__}"
+    )
+
+
+def _default_input_names(model: nn.Module, count: int) -> list[str]:
+    meta = getattr(model, "meta", {}).get("coreai_opt") if isinstance(model, torch.fx.GraphModule) else None
+    if meta and meta.get("input_names"):
+        names = list(meta["input_names"])
+    elif isinstance(model, torch.fx.GraphModule):
+        names = [str(n.target) for n in model.graph.nodes if n.op == "placeholder"]
+    else:
+        names = [p.name for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[:count]
+
+
+def _names(given: Sequence[str] | None, default: list[str], count: int, what: str) -> list[str]:
+    names = list(given) if given is not None else default
+    if given is not None and not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"{what} must be non-empty strings, got {given!r}")
+    if len(names) != count:
+        raise ValueError(f"{what} has {len(names)} name(s) {names} but the model has {count}; pass {count} names")
+    if len(set(names)) != count:
+        raise ValueError(f"{what} contains duplicates: {names}")
+    return names
+
+
+def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    with torch.no_grad():
+        outputs = model(*inputs)
+    leaves = torch.utils._pytree.tree_leaves(outputs)
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise TypeError(f"the model must return a tensor or a (nested) tuple of tensors, got {type(outputs).__name__}")
+    return len(leaves)
+
+
+def _dynamic_shapes(
+    inputs: tuple[torch.Tensor, ...], dynamic_batch: bool
+) -> tuple[dict[int, object] | None, ...] | None:
+    if not dynamic_batch:
+        return None
+    batch = torch.export.Dim(BATCH_DIM_NAME)
+    return tuple({0: batch} if t.dim() > 0 else None for t in inputs)
+
+
+def _check_batch_is_dynamic(model_proto: onnx.ModelProto, inputs: tuple[torch.Tensor, ...]) -> None:
+    for value, tensor in zip(model_proto.graph.input, inputs, strict=True):
+        dims = value.type.tensor_type.shape.dim
+        if tensor.dim() > 0 and dims and not dims[0].dim_param:
+            raise ValueError(
+                f"the batch dimension of input {value.name!r} was exported as the constant {dims[0].dim_value}: "
+                "the model's code fixes it (e.g. a reshape to a literal batch size); export with dynamic_batch=False"
+            )
+
+
+def _strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
+    """Keep only the ``namespace`` (module path) of each node's exporter metadata.
+
+    The dynamo exporter also records the FX node text, the class hierarchy and the Python stack trace (absolute
+    source paths) on every node; on small models that is as large as the quantized weights and it ties the file's
+    bytes to the machine it was exported on.
+    """
+    for node in model_proto.graph.node:
+        kept = [entry for entry in node.metadata_props if entry.key in _KEPT_NODE_METADATA]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+
+
+def _export_proto(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, dynamic_batch: bool,
+    input_names: list[str], output_names: list[str],
+) -> onnx.ModelProto:
+    program = torch.onnx.export(
+        model,
+        inputs,
+        dynamo=True,
+        opset_version=opset,
+        custom_translation_table=quantize_dequantize_translation_table(opset),
+        dynamic_shapes=_dynamic_shapes(inputs, dynamic_batch),
+        input_names=input_names,
+        output_names=output_names,
+        external_data=False,
+        verbose=False,
+    )
+    return program.model_proto
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
+    path: str | os.PathLike[str],
+    *,
+    opset: int | None = None,
+    dynamic_batch: bool = True,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+) -> Path:
+    """Export a converted model to an ONNX QDQ file that onnxruntime runs.
+
+    Every quantizer becomes ``QuantizeLinear -> DequantizeLinear``; quantizers on constant weights and int32
+    biases are folded so the file stores integer (or float8) initializers followed by ``DequantizeLinear``;
+    weights the graph transposes are stored transposed (``DequantizeLinear -> MatMul``, which onnxruntime fuses,
+    e.g. blocked int4 -> ``MatMulNBits``). Of the exporter's per-node debug metadata only ``namespace`` (the
+    module path) is kept: stack traces with absolute source paths would tie the bytes to the machine.
+
+    Path rules: the directory of ``path`` must exist (it is not created). Models up to
+    :data:`coreai_opt.onnx.save.SINGLE_FILE_LIMIT_BYTES` of tensor data are one file; larger ones put their
+    tensors in ``<file name>.data`` next to ``path`` (``model.onnx`` -> ``model.onnx.data``), referenced by that
+    relative name, so move both files together. Files are written to temporaries in the same directory and
+    moved into place with ``os.replace``, so a failed export never leaves a partial file and never damages an
+    existing file at ``path``. Exporting the same model twice gives byte-identical files.
+
+    Args:
+        model: A model returned by ``coreai_opt.convert`` (or any module whose coreai_opt quantizers are all in
+            export mode).
+        example_inputs: A tensor or a tuple of tensors, one per forward argument.
+        path: Output file.
+        opset: ONNX opset; None picks the lowest one the model's dtypes and granularities allow (int8/uint8: 18,
+            float8: 19, int16/uint16/int4/uint4 or any per-block quantizer: 21).
+        dynamic_batch: Make dimension 0 of every input (and the outputs depending on it) symbolic (``"batch"``).
+        input_names: Graph input names; default: the model's argument names.
+        output_names: Graph output names; default ``"output"`` (one output) or ``"output_0"``, ``"output_1"``, ...
+
+    Returns:
+        The path written, as a :class:`~pathlib.Path`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or the inputs/names have the wrong type.
+        ValueError: The model is not converted (call ``coreai_opt.convert(prepared)``), ``opset`` is too low for
+            one of its dtypes, a dtype has no onnxruntime kernel, or the names do not match the model.
+        FileNotFoundError: The directory of ``path`` does not exist.
+    """
+    path = check_output_path(path)
+    quantizers = converted_quantizers(model)
+    inputs = _as_input_tuple(example_inputs)
+    chosen_opset = select_opset(quantizer_uses(quantizers), opset)
+    in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
+    num_outputs = _count_outputs(model, inputs)
+    default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]
+    out_names = _names(output_names, default_out, num_outputs, "output_names")
+
+    model_proto = _export_proto(model, inputs, chosen_opset, dynamic_batch, in_names, out_names)
+    if dynamic_batch:
+        _check_batch_is_dynamic(model_proto, inputs)
+    fold_quantized_weights(model_proto)
+    transpose_dequantized_weights(model_proto)
+    _strip_debug_metadata(model_proto)
+    save_model_atomically(model_proto, path)
+    return path

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from coreai_opt.onnx import VerificationReport, export_onnx, verify_onnx
+from coreai_opt.onnx.verify import FLOAT_RELATIVE_TOLERANCE, MAX_OUTPUT_STEPS
+from tests.onnx.qmodels import ActivationAndWeight, QuantMLP, freeze
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, Path]:
+    torch.manual_seed(0)
+    model = freeze(QuantMLP(), torch.randn(256, 64))
+    return model, export_onnx(model, torch.randn(2, 64), tmp_path_factory.mktemp("mlp") / "mlp.onnx")
+
+
+@pytest.fixture(scope="module")
+def two_outputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, Path]:
+    torch.manual_seed(1)
+    model = freeze(ActivationAndWeight("uint8", "per_channel"), torch.randn(16, 8, 64))
+    return model, export_onnx(model, torch.randn(2, 8, 64), tmp_path_factory.mktemp("two") / "two.onnx")
+
+
+def test_verify_onnx_measures_quantized_classifier_output_in_steps(mlp: tuple[nn.Module, Path]) -> None:
+    model, path = mlp
+    batches = [torch.randn(16, 64) for _ in range(4)] + [torch.randn(1, 64)]
+    report = verify_onnx(model, path, batches)
+    assert isinstance(report, VerificationReport)
+    assert (report.num_batches, report.num_samples) == (5, 65)
+    (out,) = report.outputs
+    assert out.name == "output" and out.shape == (16, 10)
+    assert out.step == pytest.approx(float(model.q_out.calculator.scale))
+    assert out.max_diff_steps == pytest.approx(report.max_abs_diff / out.step, rel=1e-6)
+    assert out.max_diff_steps <= MAX_OUTPUT_STEPS
+    assert report.argmax_agreement == 1.0
+    assert report.ok
+    assert report.fusion.num_integer_compute + report.fusion.num_float_compute == 2
+
+
+def test_verify_onnx_accepts_tensor_tuple_list_and_generator(mlp: tuple[nn.Module, Path]) -> None:
+    model, path = mlp
+    x = torch.randn(6, 64)
+    single = verify_onnx(model, path, x)
+    assert (single.num_batches, single.num_samples) == (1, 6)
+    assert verify_onnx(model, path, (x,)).max_abs_diff == single.max_abs_diff
+    assert verify_onnx(model, path, [x]).max_abs_diff == single.max_abs_diff
+    generated = verify_onnx(model, path, (t for t in x.split(2)))
+    assert (generated.num_batches, generated.num_samples) == (3, 6)
+
+
+def test_verify_onnx_fails_when_model_and_file_disagree(mlp: tuple[nn.Module, Path]) -> None:
+    model, path = mlp
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.fc2.weight.mul_(-1.0)  # flips the logits: a different model than the exported one
+    report = verify_onnx(other, path, torch.randn(64, 64))
+    assert not report.ok
+    assert report.outputs[0].max_diff_steps > MAX_OUTPUT_STEPS
+    assert report.argmax_agreement < 0.5
+
+
+def test_verify_onnx_uses_relative_tolerance_for_float_outputs(two_outputs: tuple[nn.Module, Path]) -> None:
+    model, path = two_outputs
+    report = verify_onnx(model, path, [torch.randn(3, 8, 64), torch.randn(5, 8, 64)])
+    quantized, floating = report.outputs
+    assert quantized.step is None and quantized.max_diff_steps == 0.0  # per-channel step: tracked elementwise
+    assert floating.step is None and floating.max_diff_steps is None
+    assert floating.max_abs_diff <= FLOAT_RELATIVE_TOLERANCE * floating.reference_range
+    assert report.argmax_agreement is None  # 3-D outputs are not classifier-shaped
+    assert report.bit_exact and report.ok
+
+
+def test_verify_onnx_str_is_a_table_with_fusion_report(mlp: tuple[nn.Module, Path]) -> None:
+    model, path = mlp
+    text = str(verify_onnx(model, path, torch.randn(4, 64)))
+    lines = text.splitlines()
+    assert lines[0].startswith("ONNX verification of mlp.onnx: 1 batch(es), 4 sample(s), ok=True")
+    assert lines[1].split() == ["output", "shape", "max", "|diff|", "steps", "argmax", "agree", "ok"]
+    assert lines[2].split()[0] == "output" and lines[2].split()[-1] == "True"
+    assert "onnxruntime fusion report" in lines
+
+
+def test_verify_onnx_rejects_bad_inputs(mlp: tuple[nn.Module, Path], tmp_path: Path) -> None:
+    model, path = mlp
+    with pytest.raises(FileNotFoundError, match="no ONNX file"):
+        verify_onnx(model, tmp_path / "missing.onnx", torch.randn(1, 64))
+    with pytest.raises(ValueError, match="batch 0 has 2 tensor"):
+        verify_onnx(model, path, [(torch.randn(1, 64), torch.randn(1, 64))])
+    with pytest.raises(ValueError, match="yielded no batches"):
+        verify_onnx(model, path, [])
+    with pytest.raises(TypeError, match="batch 1 must be a tensor"):
+        verify_onnx(model, path, [torch.randn(1, 64), "text"])
+    with pytest.raises(TypeError, match="converted torch.nn.Module"):
+        verify_onnx("model", path, torch.randn(1, 64))  # type: ignore[arg-type]
