@@ -1,0 +1,146 @@
+"""``calibrate``: run data through a prepared model to compute activation qparams.
+
+Calibration is a scoped state: on entry every quantizer's statistics are reset (so the capture example does
+not bias them), observers are switched on and fake quantization off, the model is put in eval mode and
+autograd is disabled. Each batch only *observes* (cheap); on a clean exit every quantizer commits its qparams
+(``FakeQuantize.commit()``), weight qparams are recomputed from the weights, and the previous mode and flags
+are restored.
+
+Batches may be a tensor (one positional input), a tuple/list (positional inputs) or a dict (keyword inputs).
+Each is checked against the example inputs given to ``prepare`` (dtype and rank; for an exported graph also
+every non-batch dimension), and errors name the input.
+
+``sync`` controls merging statistics across ``torch.distributed`` ranks through
+:class:`coreai_opt.api.distributed.CalibrationSync`: ``"auto"`` merges once before committing,
+``"every_batch"`` also merges order-dependent (moving-average) statistics after each batch, ``"never"`` not
+at all. Without an initialised process group nothing happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import fx
+from tqdm.auto import tqdm
+
+from coreai_opt.api._state import commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
+
+__all__ = ["calibrate"]
+
+
+def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    raise TypeError(
+        f"calibration batches must be a tensor, a tuple/list of positional inputs or a dict of keyword inputs, "
+        f"got {type(batch).__name__}"
+    )
+
+
+def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    specs = meta.get("input_specs", [])
+    names = meta.get("input_names", [])
+    given = dict(zip(names, args, strict=False)) | kwargs
+    strict_shape = meta.get("capture") == "export"
+    for spec in specs:
+        value = given.get(spec["name"])
+        if not isinstance(value, torch.Tensor):
+            continue
+        expected = f"{spec['dtype']} of shape {tuple(spec['shape'])} (batch dimension free)"
+        if str(value.dtype).removeprefix("torch.") != spec["dtype"] or value.dim() != len(spec["shape"]):
+            raise ValueError(
+                f"calibration input '{spec['name']}' is {str(value.dtype).removeprefix('torch.')} of shape "
+                f"{tuple(value.shape)} but the example input was {expected}; pass batches like the example input"
+            )
+        if strict_shape and list(value.shape[1:]) != spec["shape"][1:]:
+            raise ValueError(
+                f"calibration input '{spec['name']}' has shape {tuple(value.shape)} but the exported graph was "
+                f"specialised to {expected}; only the batch dimension may change"
+            )
+
+
+def _shape_hint(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    given = dict(zip(meta.get("input_names", []), args, strict=False)) | kwargs
+    for spec in meta.get("input_specs", []):
+        value = given.get(spec["name"])
+        if isinstance(value, torch.Tensor) and list(value.shape[1:]) != spec["shape"][1:]:
+            return (f"input '{spec['name']}' has shape {tuple(value.shape)}, the example input had "
+                    f"{tuple(spec['shape'])}; ")
+    return ""
+
+
+def calibrate(
+    prepared: fx.GraphModule,
+    data: Iterable[Any],
+    *,
+    max_batches: int | None = None,
+    progress: bool = True,
+    sync: str = "auto",
+) -> fx.GraphModule:
+    """Observe ``data`` and commit the qparams of every quantizer of ``prepared`` (in place).
+
+    Args:
+        prepared: A model returned by ``prepare``.
+        data: Iterable of batches (tensor, tuple of positional inputs, or dict of keyword inputs).
+        max_batches: Stop after this many batches.
+        progress: Show a tqdm progress bar.
+        sync: ``"auto"``, ``"every_batch"`` or ``"never"`` (torch.distributed statistics merging).
+
+    Returns:
+        ``prepared`` itself, calibrated.
+
+    Raises:
+        TypeError: ``prepared`` was not produced by ``prepare``.
+        ValueError: converted model, empty data, bad ``sync``/``max_batches``, or a batch unlike the example.
+    """
+    meta = graph_meta(prepared, "calibrate")
+    if meta.get("converted"):
+        raise ValueError("calibrate needs a prepared model, got a converted one; calibrate before convert")
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync={sync!r} is not one of {SYNC_MODES}; use sync='auto'")
+    if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
+        raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
+    quantizers = [fq for _, fq in fake_quantizers(prepared)]
+    saved = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for fq in quantizers]
+    was_training = prepared.training
+    for fq in quantizers:
+        fq.calculator.reset_statistics()
+        fq.enable_observer(True)
+        fq.enable_fake_quant(False)
+    prepared.eval()
+    count = 0
+    total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
+    try:
+        # statistics are merged across torch.distributed ranks (no-op without a process group) before commit
+        with torch.no_grad(), CalibrationSync(prepared, sync) as syncer:
+            bar = tqdm(data, total=total, disable=not progress or not syncer.is_main, desc="calibrate", leave=False)
+            for batch in bar:
+                if max_batches is not None and count >= max_batches:
+                    break
+                args, kwargs = _as_call(batch)
+                _check_inputs(meta, args, kwargs)
+                try:
+                    prepared(*args, **kwargs)
+                except RuntimeError as exc:
+                    hint = _shape_hint(meta, args, kwargs)
+                    raise ValueError(f"calibration batch {count} failed: {hint}{exc}") from exc
+                count += 1
+                syncer.after_batch()
+        if syncer.total_batches == 0:  # no rank had data (one empty rank of several is fine)
+            raise ValueError("calibration data is empty: pass an iterable with at least one batch")
+        for fq in quantizers:
+            fq.commit()
+        commit_weight_qparams(prepared)
+    finally:
+        for fq, (observe, fake_quant) in zip(quantizers, saved, strict=True):
+            fq.enable_observer(observe)
+            fq.enable_fake_quant(fake_quant)
+        prepared.train(was_training)
+    return prepared

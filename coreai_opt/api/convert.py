@@ -1,0 +1,62 @@
+"""``convert``: freeze a calibrated (or QAT-trained) model for export.
+
+Returns a deep copy in which weight qparams are recomputed from the final weights, every ``FakeQuantize``
+is in export mode (qparams frozen, observers off, fake quantization on), and relu/relu6/hardtanh nodes made
+redundant by their output quantizer are removed (exact, see
+:mod:`coreai_opt.passes.drop_redundant_activations`). BatchNorm was already folded by ``prepare``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import fx
+
+from coreai_opt.api._state import commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
+from coreai_opt.passes.node_meta import META_KEY
+from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
+
+__all__ = ["convert"]
+
+
+def convert(prepared: fx.GraphModule) -> fx.GraphModule:
+    """Return a frozen copy of ``prepared`` ready for ONNX export (``prepared`` is unchanged).
+
+    Args:
+        prepared: A model from ``prepare``, calibrated unless it quantizes weights only.
+
+    Returns:
+        The converted GraphModule in eval mode, ``meta["coreai_opt"]["converted"] = True``.
+
+    Raises:
+        TypeError: ``prepared`` was not produced by ``prepare``.
+        ValueError: already converted, activation quantizers that were never calibrated, or stateless
+            quantizers that cannot export (``DynamicFakeQuantize`` can); the quantizers are named.
+    """
+    meta = graph_meta(prepared, "convert")
+    if meta.get("converted"):
+        raise ValueError("this model is already converted; convert the prepared model instead")
+    gm = copy.deepcopy(prepared)
+    commit_weight_qparams(gm)
+    quantizers = fake_quantizers(gm)
+    stateful = [fq for _, fq in quantizers if isinstance(fq.calculator, StatefulQParamsCalculatorBase)]
+    dynamic = [fq.name for _, fq in quantizers if fq not in stateful and not getattr(fq, "exports_dynamic", False)]
+    if dynamic:
+        raise ValueError(
+            f"quantizers {dynamic} use a dynamic (stateless) qparams calculator whose qparams cannot be frozen "
+            "for export; use qparams_calculator='static', 'global_minmax' or 'moving_average' for them, or "
+            "fake_quantize='dynamic' (ONNX DynamicQuantizeLinear) for linear-layer inputs"
+        )
+    missing = [fq.name for fq in stateful if not fq.calculator.has_qparams and not fq.calculator.has_statistics]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} activation quantizer(s) were never calibrated: {', '.join(missing)}; run "
+            "coreai_opt.calibrate(prepared, data) with batches that reach them before convert"
+        )
+    for _, fq in quantizers:
+        fq.set_export_mode(True)
+    gm = drop_redundant_activations(gm).graph_module
+    gm.eval()
+    gm.meta[META_KEY] = {**meta, "converted": True}
+    return gm

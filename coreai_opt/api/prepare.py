@@ -1,0 +1,121 @@
+"""``prepare``: capture a model and insert quantizers where the config asks for them.
+
+The recipe (each step a pass from :mod:`coreai_opt.passes`)::
+
+    capture → classify_ops → functionalize_weights → fold_batchnorm → annotate → insert_quantizers
+            [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
+
+then weight qparams are computed from the weights. A post-training prepared model starts with observers
+off and fake quantization on (``calibrate`` turns observers on for its duration); a QAT model
+(``qat=True``) starts with both on and in train mode. BatchNorm is folded in both cases (QAT trains the
+folded convolution), so ``convert`` only freezes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from coreai_opt.api._state import commit_weight_qparams, fake_quantizers
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.passes.annotate import annotate
+from coreai_opt.passes.capture import capture as capture_model
+from coreai_opt.passes.classify_ops import classify_ops
+from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
+from coreai_opt.passes.fold_batchnorm import fold_batchnorm
+from coreai_opt.passes.functionalize_weights import functionalize_weights
+from coreai_opt.passes.insert_quantizers import insert_quantizers
+from coreai_opt.passes.node_meta import META_KEY
+
+__all__ = ["prepare"]
+
+
+def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    specs = []
+    for name, value in bound.arguments.items():
+        if isinstance(value, torch.Tensor):
+            specs.append({"name": name, "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)})
+    return specs
+
+
+def prepare(
+    model: nn.Module,
+    config: QuantizerConfig,
+    example_inputs: tuple[Any, ...],
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    capture: str = "auto",
+    leaf_modules: Sequence[type | str] = (),
+    concrete_args: dict[str, Any] | None = None,
+    qat: bool = False,
+) -> fx.GraphModule:
+    """Return a quantization-ready copy of ``model`` (the model itself is never modified).
+
+    Args:
+        model: The float model.
+        config: Which tensors to quantize and how (e.g. ``QuantizerConfig.presets.w8a8()``).
+        example_inputs: Positional example inputs, a tuple (``(x,)``). Used for capture only.
+        example_kwargs: Keyword example inputs.
+        capture: ``"auto"`` (FX, then torch.export), ``"fx"`` or ``"export"``.
+        leaf_modules: Module types or qualified names FX must not trace into.
+        concrete_args: Values FX specialises on (Python flags in ``forward``).
+        qat: Prepare for quantization-aware training (train mode, observers and fake quantization on).
+
+    Returns:
+        The prepared GraphModule; ``prepared.meta["coreai_opt"]`` holds ``capture``, ``converted``,
+        ``input_names``, ``config``, ``qat`` and ``input_specs``.
+
+    Raises:
+        TypeError: ``model`` is not an nn.Module, ``config`` not a QuantizerConfig, or ``example_inputs`` not a
+            tuple.
+        ValueError: capture failed (``CaptureError``) or a spec does not fit a tensor (the node is named).
+
+    Example:
+        >>> cfg = QuantizerConfig.presets.w8()
+        >>> prepared = prepare(nn.Sequential(nn.Linear(4, 2)), cfg, (torch.randn(1, 4),))
+        >>> [name for name, _ in fake_quantizers(prepared)]
+        ['_0_weight_fq']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare expects a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(config, QuantizerConfig):
+        raise TypeError(
+            f"config must be a coreai_opt.QuantizerConfig (e.g. QuantizerConfig.presets.w8a8()), got "
+            f"{type(config).__name__}; build one with QuantizerConfig.from_dict(...) if you have a dict"
+        )
+    kwargs = dict(example_kwargs or {})
+    gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
+                       concrete_args=concrete_args)
+    gm = classify_ops(gm).graph_module
+    gm = functionalize_weights(gm).graph_module
+    if config.fold_batchnorm:
+        gm = fold_batchnorm(gm).graph_module
+    gm = annotate(gm, config.resolve, int32_bias=config.int32_bias,
+                  fixed_range_outputs=config.fixed_range_outputs).graph_module
+    gm = insert_quantizers(gm).graph_module
+    if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
+        gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
+    unused = config.unused_module_name_patterns(name for name, _ in model.named_modules())
+    if unused:
+        warnings.warn(
+            f"module_name pattern(s) {unused} match no module of {type(model).__name__}; check the regex "
+            "(it must fullmatch a qualified name such as 'layer1\\.0\\.conv1')",
+            UserWarning,
+            stacklevel=2,
+        )
+    commit_weight_qparams(gm)
+    for _, fq in fake_quantizers(gm):
+        fq.enable_observer(qat)
+        fq.enable_fake_quant(True)
+    gm.train(qat)
+    gm.meta[META_KEY].update(
+        config=config.to_dict(), converted=False, qat=qat,
+        input_specs=_input_specs(model, example_inputs, kwargs),
+    )
+    return gm

@@ -1,0 +1,298 @@
+"""Decide which tensors get a quantizer: one pattern per op kind, applied by one matcher.
+
+The placement is the one onnxruntime needs to run integer kernels (``DQ → op → Q`` fusion):
+
+==========================================  ===============================================================
+op kind                                     quantized edges
+==========================================  ===============================================================
+conv, conv_transpose, linear                input, weight, output (after a following relu/relu6/hardtanh);
+                                            bias int32 with derived scale ``s_in · s_w`` (``int32_bias``)
+matmul                                      both operands (a ``get_attr`` operand as a weight), output
+embedding                                   weight only (indices are integers)
+add, mul, sub, div                          every tensor operand and the output (after a following relu)
+layer_norm, group_norm, gelu, silu,         input and output
+hardswish, interpolate, avg_pool, relu*
+softmax, sigmoid / tanh                     input and output, output range fixed to [0, 1] / [-1, 1]
+                                            (``fixed_range_outputs``)
+cat                                         inputs and output share one quantizer
+move (reshape, view, permute, getitem ...), output shares the input's quantizer (no requantization)
+dropout / identity, max_pool
+==========================================  ===============================================================
+
+Weight granularity axes in a config are written for the canonical ``[out, in, *kernel]`` layout
+(per-channel axis 0 = output channels, per-block axis 1 = input channels). This pass maps them to the op's
+real layout: ``conv_transpose`` weights are ``[in, out/groups, *k]`` (axes 0 and 1 swap) and a ``[K, N]``
+matmul operand has its output channels last. An axis out of range or a block size that does not divide its
+dimension is reported for every offending node at once. Ops left float get a reason in
+``NodeMeta.float_reason``. The decisions are :class:`~coreai_opt.passes.node_meta.Annotation` values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
+
+import torch
+from coreai_opt.passes.node_meta import (
+    Annotation,
+    DerivedSpec,
+    EdgeSpec,
+    QuantSpec,
+    Role,
+    SharedSpec,
+    get_meta,
+    set_meta,
+    tensor_info,
+)
+from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
+from coreai_opt.passes.pass_result import PassResult
+from torch.fx import GraphModule, Node
+
+from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
+
+__all__ = ["annotate", "Resolver"]
+
+
+class _Resolved(NamedTuple):
+    weight: QuantizationSpec | None
+    activation: QuantizationSpec | None
+    source: str
+
+
+#: ``resolve(op_kind, module_name, module_type) -> ResolvedSpecs(weight, activation, source)``.
+Resolver = Callable[[str, "str | None", "type | None"], Any]
+
+_FUSABLE = frozenset({OpKind.RELU, OpKind.RELU6, OpKind.HARDTANH})
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    """What one op kind quantizes (see the module table)."""
+
+    inputs: bool = True
+    weight_axes: dict[int, int] | None = None  # canonical axis -> real axis; None: no weight
+    output: str | None = "own"  # "own", "share" (value-preserving) or None
+    fuse_activation: bool = False
+    float_range: tuple[float, float] | None = None
+    share_inputs: bool = False
+
+
+_ID = {0: 0, 1: 1}
+PATTERNS: dict[OpKind, _Pattern] = {
+    OpKind.CONV: _Pattern(weight_axes=_ID, fuse_activation=True),
+    OpKind.CONV_TRANSPOSE: _Pattern(weight_axes={0: 1, 1: 0}, fuse_activation=True),
+    OpKind.LINEAR: _Pattern(weight_axes=_ID, fuse_activation=True),
+    OpKind.EMBEDDING: _Pattern(inputs=False, weight_axes=_ID, output=None),
+    OpKind.MATMUL: _Pattern(fuse_activation=True),
+    **{k: _Pattern(fuse_activation=True) for k in (OpKind.ADD, OpKind.MUL, OpKind.SUB, OpKind.DIV)},
+    **{k: _Pattern() for k in (OpKind.LAYER_NORM, OpKind.GROUP_NORM, OpKind.GELU, OpKind.SILU, OpKind.HARDSWISH,
+                               OpKind.INTERPOLATE, OpKind.AVG_POOL, OpKind.RELU, OpKind.RELU6, OpKind.HARDTANH)},
+    OpKind.SOFTMAX: _Pattern(float_range=(0.0, 1.0)),
+    OpKind.SIGMOID: _Pattern(float_range=(0.0, 1.0)),
+    OpKind.TANH: _Pattern(float_range=(-1.0, 1.0)),
+    OpKind.CAT: _Pattern(share_inputs=True, output="share"),
+    **{k: _Pattern(inputs=False, output="share") for k in MOVER_KINDS},
+}
+#: Operand index of a matmul -> canonical-to-real axis map of a constant operand ([M, K] @ [K, N]).
+_MATMUL_AXES = {0: {0: -2, 1: -1}, 1: {0: -1, 1: -2}}
+
+
+def _is_float_tensor(node: object, gm: GraphModule) -> bool:
+    if not isinstance(node, Node):
+        return False
+    if node.op == "get_attr":
+        owner, _, name = str(node.target).rpartition(".")
+        value = getattr(gm.get_submodule(owner), name, None)
+        return isinstance(value, torch.Tensor) and value.is_floating_point()
+    info = tensor_info(node)
+    return info is not None and info[1].is_floating_point
+
+
+def _shape(node: Node, gm: GraphModule) -> tuple[int, ...] | None:
+    if node.op == "get_attr":
+        owner, _, name = str(node.target).rpartition(".")
+        return tuple(getattr(gm.get_submodule(owner), name).shape)
+    info = tensor_info(node)
+    return info[0] if info else None
+
+
+def _data_args(node: Node, layout: ArgLayout) -> list[Node]:
+    out: list[Node] = []
+    for ref in layout.data:
+        value = ArgLayout.get(node, ref)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        out.extend(v for v in values if isinstance(v, Node))
+    return out
+
+
+def _map_weight_spec(spec: QuantizationSpec, axes: dict[int, int], shape: tuple[int, ...]) -> QuantizationSpec:
+    """Return ``spec`` with its granularity axis moved from the canonical layout to the weight's layout."""
+    g = spec.granularity
+    if not isinstance(g, (PerChannel, PerBlock)):
+        return spec
+    canonical = g.axis % len(shape) if -len(shape) <= g.axis < len(shape) else g.axis
+    real = axes.get(canonical, canonical)
+    real = real % len(shape) if -len(shape) <= real < len(shape) else real
+    mapped = PerChannel(real) if isinstance(g, PerChannel) else PerBlock(real, g.block_size)
+    return spec.model_copy(update={"granularity": mapped})
+
+
+def _fixed(spec: QuantizationSpec, float_range: tuple[float, float]) -> QuantizationSpec:
+    if spec.float_range is not None:
+        return spec
+    try:
+        return QuantizationSpec.from_dict({**spec.to_dict(), "float_range": list(float_range)})
+    except ValueError:  # e.g. a stateless calculator: keep observing
+        return spec
+
+
+def _label(node: Node) -> str:
+    meta = get_meta(node)
+    return f"{meta.module_name} ({node.name})" if meta.module_name else node.name
+
+
+class _Matcher:
+    """Applies :data:`PATTERNS` to one graph; collects granularity errors so they are reported together."""
+
+    def __init__(self, gm: GraphModule, resolve: Resolver, int32_bias: bool, fixed_range_outputs: bool) -> None:
+        self.gm, self.resolve = gm, resolve
+        self.int32_bias, self.fixed_range_outputs = int32_bias, fixed_range_outputs
+        self.errors: list[str] = []
+        self.fused: dict[Node, QuantSpec] = {}
+
+    def specs(self, node: Node) -> _Resolved:
+        meta = get_meta(node)
+        r = self.resolve(meta.kind.value, meta.module_name, meta.module_type)
+        return _Resolved(r.weight, r.activation, r.source)
+
+    def weight_spec(self, op: Node, weight: Node, spec: QuantizationSpec, axes: dict[int, int]) -> QuantSpec | None:
+        shape = _shape(weight, self.gm)
+        mapped = _map_weight_spec(spec, axes, shape)
+        try:
+            mapped.granularity.qparam_shape(shape)
+        except ValueError as exc:
+            self.errors.append(f"{_label(op)} weight {tuple(shape)}: {exc}")
+            return None
+        return QuantSpec(mapped, Role.WEIGHT)
+
+    def match(self, node: Node) -> tuple[Annotation | None, str | None]:
+        """Return the node's annotation (None: nothing quantized) and why its output stays float."""
+        meta = get_meta(node)
+        if node in self.fused:
+            return Annotation(output=self.fused[node]), None
+        pattern = PATTERNS.get(meta.kind)
+        produces_float = _is_float_tensor(node, self.gm)
+        if pattern is None:
+            plain_op = meta.kind not in (OpKind.INPUT, OpKind.PARAMETER, OpKind.OUTPUT)
+            reason = (f"{_label(node)} output left float: op kind '{meta.kind.value}' has no quantization pattern"
+                      if produces_float and plain_op else None)
+            return None, reason
+        layout = lookup_op(node, self.gm).layout
+        data = [a for a in _data_args(node, layout) if _is_float_tensor(a, self.gm)]
+        if pattern.output == "share" and not pattern.share_inputs:
+            source = node.args[0] if node.args else None
+            if isinstance(source, Node) and (_is_float_tensor(source, self.gm) or get_meta(source).kind is OpKind.MOVE):
+                return Annotation(output=SharedSpec(source)), None
+            return None, None
+        resolved = self.specs(node)
+        act, inputs = resolved.activation, []
+        label = _label(node)
+        reason = None if act is not None else f"{label} output left float: no activation spec ({resolved.source})"
+        if pattern.share_inputs and act is not None and data:
+            inputs = [(data[0], QuantSpec(act, Role.ACTIVATION))] + [(a, SharedSpec(data[0])) for a in data[1:]]
+            return Annotation(tuple(inputs), SharedSpec(data[0])), None
+        weight_node = ArgLayout.get(node, layout.weight)
+        if meta.kind is OpKind.MATMUL:  # a get_attr operand is a weight
+            for index, arg in enumerate(list(data)):
+                if arg.op == "get_attr":
+                    data.remove(arg)
+                    if resolved.weight is not None:
+                        spec = self.weight_spec(node, arg, resolved.weight, _MATMUL_AXES[index])
+                        inputs += [(arg, spec)] if spec else []
+        if pattern.inputs and act is not None:
+            inputs += [(a, QuantSpec(act, Role.ACTIVATION)) for a in data]
+        if pattern.weight_axes is not None and isinstance(weight_node, Node):
+            if resolved.weight is None:
+                reason = f"{_label(node)} weight left float: no weight spec ({resolved.source})"
+            else:
+                spec = self.weight_spec(node, weight_node, resolved.weight, pattern.weight_axes)
+                inputs += [(weight_node, spec)] if spec else []
+                bias = self.bias_spec(node, layout, data, weight_node, act, spec)
+                if isinstance(bias, str):
+                    bias = f"{_label(node)} {bias}"
+                    reason = bias if reason is None else f"{reason}; {bias}"
+                elif bias is not None:
+                    inputs.append(bias)
+        output: EdgeSpec | None = None
+        if pattern.output == "own" and act is not None and produces_float:
+            out_spec = act
+            if pattern.float_range and self.fixed_range_outputs:
+                out_spec = _fixed(act, pattern.float_range)
+            users = list(node.users)
+            if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
+                    and users[0].args and users[0].args[0] is node:
+                self.fused[users[0]] = QuantSpec(out_spec, Role.ACTIVATION)
+                fused = f"{get_meta(users[0]).kind.value} '{users[0].name}'"
+                reason = reason or f"{_label(node)} output quantized after the fused {fused}"
+            else:
+                output = QuantSpec(out_spec, Role.ACTIVATION)
+        if not inputs and output is None:
+            return None, reason
+        return Annotation(tuple(inputs), output), reason
+
+    def bias_spec(
+        self, node: Node, layout: ArgLayout, data: list[Node], weight: Node, act: QuantizationSpec | None,
+        weight_spec: QuantSpec | None,
+    ) -> tuple[Node, DerivedSpec] | str | None:
+        bias = ArgLayout.get(node, layout.bias)
+        if not isinstance(bias, Node):
+            return None
+        if not self.int32_bias:
+            return "bias left float: int32_bias is off"
+        if act is None or not data or weight_spec is None:
+            return "bias left float: needs both the input and the weight quantized"
+        if act.dtype_info.is_float or weight_spec.spec.dtype_info.is_float:
+            return "bias left float: int32 bias needs integer input and weight dtypes"
+        g = weight_spec.spec.granularity
+        out_axis = (PATTERNS[get_meta(node).kind].weight_axes or _ID)[0]
+        shape = _shape(weight, self.gm)
+        if isinstance(g, PerBlock) or (isinstance(g, PerChannel) and
+                                       (g.axis != out_axis or shape[out_axis] != _shape(bias, self.gm)[0])):
+            return "bias left float: the weight scale is not per-tensor or per-output-channel"
+        return bias, DerivedSpec((data[0], weight))
+
+
+def annotate(gm: GraphModule, resolve: Resolver, *, int32_bias: bool = True, fixed_range_outputs: bool = True
+             ) -> PassResult:
+    """Write an :class:`Annotation` (and float reasons) on every node that needs quantizers.
+
+    Args:
+        gm: A classified, functionalized GraphModule (BatchNorm already folded where possible).
+        resolve: ``QuantizerConfig.resolve``-compatible callable; ``None`` specs mean float.
+        int32_bias: Quantize conv/linear biases to int32 with derived scale when input and weight are quantized.
+        fixed_range_outputs: Use [0, 1] for softmax/sigmoid and [-1, 1] for tanh outputs.
+
+    Returns:
+        ``PassResult`` counting annotated nodes.
+
+    Raises:
+        ValueError: the graph was not classified, or weight granularities do not fit (every node listed).
+    """
+    matcher = _Matcher(gm, resolve, int32_bias, fixed_range_outputs)
+    changes = 0
+    for node in gm.graph.nodes:
+        meta = get_meta(node)
+        if meta.kind is None:
+            raise ValueError(f"annotate needs op kinds on {node.format_node()}; run classify_ops first")
+        annotation, reason = matcher.match(node)
+        reason = "; ".join(r for r in (meta.float_reason, reason) if r) or None  # keep earlier passes' reasons
+        set_meta(node, replace(meta, annotation=annotation, float_reason=reason))
+        changes += annotation is not None
+    if matcher.errors:
+        raise ValueError(
+            "weight granularity does not fit:\n  " + "\n  ".join(matcher.errors)
+            + "\nFix: pick a block size that divides these dimensions, or override the listed modules with "
+            "config.set_module_name(<name regex>, OpConfig(weight=<per-channel spec>))."
+        )
+    return PassResult(gm, changes)

@@ -1,0 +1,134 @@
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from coreai_opt.passes.capture import CaptureError
+from torch import nn
+
+from coreai_opt.api import calibrate, convert, enable_observers, prepare, summary
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.config.quantizer_config import OpConfig
+from coreai_opt.quantization.spec import QuantizationSpec
+from tests.zoo import PRESETS, ZOO, build, preset_config, weighted_layer_count
+
+# Where w8a8 puts its quantizers (op kind of the tensor each quantizer serves: a weight/bias counts for its
+# layer, a relu/relu6 output holds the fused conv/add output quantizer).
+#  resnet18: 20 conv weights + 20 int32 biases + 11 conv outputs not followed by relu (8 conv2 + 3 downsample),
+#            17 relu outputs (stem + 2 per block), 1 input, pooled output, fc weight/bias/output.
+W8A8_COUNTS = {
+    "resnet18": {"input": 1, "conv": 51, "relu": 17, "avg_pool": 1, "linear": 3},
+    "mobilenet_v2": {"input": 1, "conv": 122, "relu6": 34, "add": 11, "hardswish": 1, "avg_pool": 1, "linear": 3},
+    "conv_transpose_decoder": {"input": 1, "conv": 11, "relu": 4, "conv_transpose": 2},
+    "transformer_encoder": {"embedding": 2, "parameter": 1, "add": 5, "layer_norm": 5, "linear": 39, "matmul": 4,
+                            "div": 2, "softmax": 2, "gelu": 2, "avg_pool": 1},
+    "torch_transformer": {"linear": 25, "input": 1, "other": 2, "add": 4, "layer_norm": 4, "relu": 2, "avg_pool": 1},
+    "shape_unpack": {"linear": 9, "input": 1, "gelu": 1, "div": 1, "avg_pool": 1},
+    "conv1d_groupnorm": {"input": 1, "conv": 6, "group_norm": 2, "silu": 2, "avg_pool": 1, "linear": 3},
+}
+WEIGHT_ONLY = ("w8", "w4")
+
+
+def _sqnr(reference: torch.Tensor, test: torch.Tensor) -> float:
+    return float(10 * torch.log10(reference.pow(2).sum() / (reference - test).pow(2).sum()))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_prepare_calibrate_convert_runs_for_every_zoo_model_and_preset(name, preset):
+    model, example, batches = build(name)
+    state = copy.deepcopy(model.state_dict())
+    with torch.no_grad():
+        reference = model(batches[0])
+    prepared = prepare(model, preset_config(preset, model), example)
+    assert prepared.meta["coreai_opt"]["capture"] == ZOO[name].capture
+    calibrate(prepared, batches[:2], progress=False)
+    converted = convert(prepared)
+    assert converted.meta["coreai_opt"]["converted"] is True and prepared.meta["coreai_opt"]["converted"] is False
+    report = summary(converted)
+    weights = report.counts("weight")
+    assert sum(weights.values()) == weighted_layer_count(model)
+    activations = sum(report.counts("activation").values())
+    assert (activations == 0) == (preset in WEIGHT_ONLY)
+    if preset == "w8a8":
+        assert report.counts() == W8A8_COUNTS[name]
+    enable_observers(prepared, False)
+    with torch.no_grad():
+        out = converted(batches[0])
+        assert torch.equal(out, prepared(batches[0]))
+        assert torch.equal(model(batches[0]), reference)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    sqnr = _sqnr(reference, out)
+    print(f"{name} {preset}: SQNR {sqnr:.1f} dB, {len(report.quantizers)} quantizers")
+    if preset == "w8a8" and ZOO[name].is_cnn:
+        assert sqnr >= 25.0
+
+
+def test_prepare_rejects_non_tuple_example_inputs():
+    with pytest.raises(TypeError, match=r"example_inputs must be a tuple.*\(x,\)"):
+        prepare(nn.Linear(2, 2), QuantizerConfig.presets.w8(), torch.randn(1, 2))
+
+
+def test_prepare_rejects_dict_config_and_unknown_config_key():
+    with pytest.raises(TypeError, match="QuantizerConfig.from_dict"):
+        prepare(nn.Linear(2, 2), {"weight": None}, (torch.randn(1, 2),))
+    with pytest.raises(ValueError, match="weigth"):
+        QuantizerConfig.from_dict({"weigth": None})
+
+
+def test_prepare_warns_when_module_name_regex_matches_nothing():
+    model, example, _ = build("conv1d_groupnorm")
+    cfg = QuantizerConfig.presets.w8a8().set_module_name(r"conv3", OpConfig(weight=None))
+    with pytest.warns(UserWarning, match=r"\['conv3'\] match no module of Conv1dGroupNorm"):
+        prepare(model, cfg, example)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepare(model, QuantizerConfig.presets.w8a8().set_module_name(r"conv1", OpConfig(weight=None)), example)
+
+
+class _Uncapturable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        while x.norm() > 1:  # data-dependent loop: neither FX nor export can capture it
+            x = self.fc(x) / 2
+        return x
+
+
+def test_prepare_names_source_line_of_uncapturable_model():
+    with pytest.raises(CaptureError, match=r"test_prepare.py:\d+: while x.norm\(\) > 1.*leaf_modules"):
+        prepare(_Uncapturable(), QuantizerConfig.presets.w8a8(), (torch.randn(2, 4),))
+
+
+def test_prepare_rejects_a_dtype_mix_the_spec_forbids():
+    with pytest.raises(ValueError, match=r"asymmetric.*float8.*qscheme='symmetric'"):
+        QuantizationSpec(dtype="float8_e4m3fn", qscheme="asymmetric")
+
+
+def test_prepare_rejects_block_size_that_does_not_divide_naming_the_module():
+    model, example, _ = build("resnet18")
+    with pytest.raises(ValueError, match=re.escape("stem.0 (conv2d) weight (8, 3, 7, 7)")):
+        prepare(model, QuantizerConfig.presets.w4(block_size=8), example)
+
+
+def test_prepare_qat_starts_in_train_mode_with_observers_on():
+    model, example, _ = build("conv1d_groupnorm")
+    prepared = prepare(model, QuantizerConfig.presets.w8a8(), example, qat=True)
+    assert prepared.training and prepared.meta["coreai_opt"]["qat"] is True
+    ptq = prepare(model, QuantizerConfig.presets.w8a8(), example)
+    assert not ptq.training
+    flags = {(bool(m.observer_enabled), bool(m.fake_quant_enabled)) for m in prepared.modules()
+             if hasattr(m, "observer_enabled")}
+    assert flags == {(True, True)}
+
+
+def test_prepare_graph_meta_follows_the_contract():
+    model, example, _ = build("transformer_encoder")
+    cfg = QuantizerConfig.presets.w8a8()
+    meta = prepare(model, cfg, example).meta["coreai_opt"]
+    assert meta["capture"] == "fx" and meta["converted"] is False and meta["input_names"] == ["tokens"]
+    assert meta["config"] == cfg.to_dict()
+    assert meta["input_specs"] == [{"name": "tokens", "dtype": "int64", "shape": [2, 12]}]

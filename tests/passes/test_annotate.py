@@ -1,0 +1,121 @@
+import pytest
+import torch
+from coreai_opt.passes.node_meta import DerivedSpec, QuantSpec, Role, SharedSpec, get_meta
+from coreai_opt.passes.op_kinds import OpKind
+from torch import nn
+
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.config.quantizer_config import OpConfig
+from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
+from tests.passes.pipeline import annotated
+from tests.zoo import build
+
+W8A8 = QuantizerConfig.presets.w8a8
+
+
+def _by_kind(gm, kind):
+    return [n for n in gm.graph.nodes if get_meta(n).kind is kind]
+
+
+def test_annotate_conv_relu_puts_output_after_relu_and_derives_bias():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2)).eval()
+    gm = annotated(model, torch.randn(1, 3, 8, 8), W8A8())
+    conv, = _by_kind(gm, OpKind.CONV)
+    relu, = _by_kind(gm, OpKind.RELU)
+    pool, = _by_kind(gm, OpKind.MAX_POOL)
+    ann = get_meta(conv).annotation
+    roles = [(arg.name, type(spec).__name__, getattr(spec, "role", None)) for arg, spec in ann.inputs]
+    assert roles == [("input_1", "QuantSpec", Role.ACTIVATION), ("_0_weight", "QuantSpec", Role.WEIGHT),
+                     ("_0_bias", "DerivedSpec", None)]
+    assert ann.output is None and "fused relu" in get_meta(conv).float_reason
+    assert isinstance(get_meta(relu).annotation.output, QuantSpec) and get_meta(relu).annotation.inputs == ()
+    assert get_meta(pool).annotation.output == SharedSpec(relu)
+    derived = ann.inputs[2][1]
+    assert isinstance(derived, DerivedSpec) and derived.derived_from == (ann.inputs[0][0], ann.inputs[1][0])
+
+
+def test_annotate_conv_transpose_weight_axes_are_swapped():
+    cfg = W8A8()
+    model = nn.Sequential(nn.ConvTranspose2d(4, 6, 2, stride=2)).eval()
+    gm = annotated(model, torch.randn(1, 4, 4, 4), cfg)
+    conv, = _by_kind(gm, OpKind.CONV_TRANSPOSE)
+    weight_spec = dict((a.name, s) for a, s in get_meta(conv).annotation.inputs)["_0_weight"]
+    assert weight_spec.spec.granularity == PerChannel(1)
+    w4 = QuantizerConfig.presets.w4(block_size=2)
+    gm = annotated(model, torch.randn(1, 4, 4, 4), w4)
+    conv, = _by_kind(gm, OpKind.CONV_TRANSPOSE)
+    weight_spec = dict((a.name, s) for a, s in get_meta(conv).annotation.inputs)["_0_weight"]
+    assert weight_spec.spec.granularity == PerBlock(axis=0, block_size=2)  # input channels of [in, out, kh, kw]
+
+
+def test_annotate_rejects_block_size_not_dividing_naming_every_node():
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 1), nn.Conv2d(8, 4, 1)).eval()
+    with pytest.raises(ValueError, match=r"0 \(conv2d\) weight \(8, 3, 1, 1\).*block_size=32") as info:
+        annotated(model, torch.randn(1, 3, 4, 4), QuantizerConfig.presets.w4())
+    message = str(info.value)
+    assert "1 (conv2d_1)" in message and "2 (conv2d_2)" in message and "set_module_name" in message
+
+
+def test_annotate_rejects_per_channel_axis_beyond_rank():
+    spec = QuantizationSpec(dtype="int8", granularity=PerChannel(axis=3))
+    with pytest.raises(ValueError, match=r"fc \(linear\) weight \(2, 4\).*axis=3 is out of range"):
+        annotated(_Fc().eval(), torch.randn(1, 4), QuantizerConfig(weight=spec))
+
+
+class _Fc(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8, 6))
+
+    def forward(self, x):
+        return torch.sigmoid(torch.tanh(torch.softmax(x @ self.table, -1)))
+
+
+def test_annotate_matmul_constant_operand_is_a_weight_and_fixed_ranges_apply():
+    gm = annotated(_Attention().eval(), torch.randn(2, 8), W8A8())
+    matmul, = _by_kind(gm, OpKind.MATMUL)
+    specs = {a.name: s for a, s in get_meta(matmul).annotation.inputs}
+    assert specs["table"].role is Role.WEIGHT and specs["table"].spec.granularity == PerChannel(1)  # [K, N]: N
+    assert specs["x"].role is Role.ACTIVATION
+    ranges = {k: get_meta(_by_kind(gm, k)[0]).annotation.output.spec.float_range
+              for k in (OpKind.SOFTMAX, OpKind.TANH, OpKind.SIGMOID)}
+    assert ranges == {OpKind.SOFTMAX: (0.0, 1.0), OpKind.TANH: (-1.0, 1.0), OpKind.SIGMOID: (0.0, 1.0)}
+    cfg = W8A8()
+    cfg.fixed_range_outputs = False
+    gm = annotated(_Attention().eval(), torch.randn(2, 8), cfg)
+    assert get_meta(_by_kind(gm, OpKind.SOFTMAX)[0]).annotation.output.spec.float_range is None
+
+
+def test_annotate_records_reason_when_config_leaves_op_float():
+    cfg = W8A8().set_op_kind("softmax", None)
+    gm = annotated(_Attention().eval(), torch.randn(2, 8), cfg)
+    softmax, = _by_kind(gm, OpKind.SOFTMAX)
+    assert get_meta(softmax).annotation is None
+    assert get_meta(softmax).float_reason == "softmax output left float: no activation spec (op_kind:softmax)"
+
+
+def test_annotate_weight_only_config_leaves_bias_and_activations_float():
+    gm = annotated(_Fc().eval(), torch.randn(1, 4), QuantizerConfig.presets.w8())
+    fc, = _by_kind(gm, OpKind.LINEAR)
+    assert [s.role for _, s in get_meta(fc).annotation.inputs] == [Role.WEIGHT]
+    assert get_meta(fc).float_reason == ("fc (linear) output left float: no activation spec (global); fc (linear) "
+                                         "bias left float: needs both the input and the weight quantized")
+
+
+def test_annotate_module_name_override_applies_to_one_layer():
+    cfg = W8A8().set_module_name(r"stem\.0", OpConfig(weight=None))
+    model, example, _ = build("resnet18")
+    gm = annotated(model, example[0], cfg)
+    stem = next(n for n in _by_kind(gm, OpKind.CONV) if get_meta(n).module_name == "stem.0")
+    assert [s.role for _, s in get_meta(stem).annotation.inputs] == [Role.ACTIVATION]
+    assert get_meta(stem).float_reason == ("stem.0 (conv2d) weight left float: no weight spec "
+                                           "(weight from module_name:'stem\\.0'; activation from global)")
