@@ -1,0 +1,345 @@
+"""``coreai-opt demo``: the whole flow on a small CNN in under a minute, offline.
+
+Steps: train ``DigitsCNN`` on scikit-learn's bundled 8x8 digits (or load it from the cache), quantize it with the
+``w8a8`` preset, calibrate on training batches, convert, export an ONNX QDQ model, verify it in onnxruntime, and
+print one table comparing float, fake-quant and onnxruntime-int8 accuracy, eager-vs-ORT top-1 agreement, file
+sizes and single-thread latency.
+
+The trained float weights are cached in ``$COREAI_OPT_CACHE`` (default ``$XDG_CACHE_HOME/coreai_opt`` or
+``~/.cache/coreai_opt``) so the second run skips training; ``--no-cache`` always trains and writes nothing there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+# Settings of the demo run.
+SEED = 0
+EPOCHS = 6
+LEARNING_RATE = 1e-2
+CALIBRATION_BATCH_SIZE = 32
+CALIBRATION_BATCHES = 16
+# The network is tiny: one torch thread avoids the inter-thread synchronisation that dominates at this size
+# (and that makes a loaded 2-core machine 5x slower).
+TORCH_THREADS = 1
+LATENCY_BATCHES = (1, 64)
+LATENCY_WARMUP = 20
+LATENCY_REPEATS = 200
+CACHE_FILE = f"digits_cnn_seed{SEED}_epochs{EPOCHS}.pt"
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """Numbers measured by one demo run (accuracies and agreement are fractions in [0, 1])."""
+
+    float_accuracy: float
+    fake_quant_accuracy: float
+    ort_int8_accuracy: float
+    top1_agreement: float
+    num_test: int
+    max_abs_diff: float
+    verification_ok: bool
+    fp32_bytes: int
+    int8_bytes: int
+    fp32_weight_bytes: int
+    int8_weight_bytes: int
+    fp32_latency_ms: dict[int, float]
+    int8_latency_ms: dict[int, float]
+    fp32_path: Path
+    int8_path: Path
+    model_source: str
+
+
+def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Register the ``demo`` subcommand.
+
+    Args:
+        subparsers: The object returned by ``ArgumentParser.add_subparsers``.
+        parents: Parsers whose options every subcommand shares.
+
+    Returns:
+        The ``demo`` subparser.
+    """
+    parser = subparsers.add_parser(
+        "demo",
+        parents=list(parents),
+        help="quantize a digits CNN end to end and print one comparison table",
+        description=__doc__.split("\n\n")[1].replace("``", ""),
+    )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("coreai_opt_demo"),
+        help="where the fp32 and int8 ONNX files are written (default: ./coreai_opt_demo)",
+    )
+    parser.add_argument("--no-cache", action="store_true", help="always train; neither read nor write the cache")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo and print its table.
+
+    Args:
+        args: Parsed arguments (``output_dir``, ``no_cache``).
+
+    Returns:
+        0 when the int8 model verified in onnxruntime, 1 otherwise.
+    """
+    result = run_demo(args.output_dir, use_cache=not args.no_cache)
+    print()
+    print(format_table(result))
+    print()
+    print(f"int8 model: {result.int8_path}")
+    if not result.verification_ok:
+        print("verification FAILED: onnxruntime disagrees with the eager quantized model", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cache_dir() -> Path:
+    """Return the directory for cached weights: ``$COREAI_OPT_CACHE``, else ``$XDG_CACHE_HOME/coreai_opt``."""
+    if os.environ.get("COREAI_OPT_CACHE"):
+        return Path(os.environ["COREAI_OPT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coreai_opt"
+
+
+def run_demo(output_dir: Path, *, use_cache: bool = True) -> DemoResult:
+    """Train or load the digits CNN, quantize it w8a8, export, verify and measure.
+
+    Args:
+        output_dir: Directory for ``digits_cnn.fp32.onnx`` and ``digits_cnn.int8.onnx`` (created if missing).
+        use_cache: Read and write the trained float weights in :func:`cache_dir`.
+
+    Returns:
+        The measured :class:`DemoResult`.
+    """
+    import torch
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    try:
+        return _run_demo(output_dir, use_cache)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_demo(output_dir: Path, use_cache: bool) -> DemoResult:
+    import torch
+
+    import coreai_opt as co
+    from coreai_opt.datasets import accuracy, load_digits_split
+
+    torch.manual_seed(SEED)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    split = load_digits_split(seed=SEED)
+
+    with _step("1/5", "float model"):
+        model, source = _load_or_train(split, cache_dir() / CACHE_FILE if use_cache else None)
+        model.eval()
+        float_accuracy = accuracy(model, split.x_test, split.y_test)
+        print(f"      {source}; test accuracy {float_accuracy:.2%}")
+
+    with _step("2/5", "prepare + calibrate (preset w8a8)"):
+        example = (split.x_train[:CALIBRATION_BATCH_SIZE],)
+        prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), example)
+        batches = [
+            split.x_train[i : i + CALIBRATION_BATCH_SIZE]
+            for i in range(0, CALIBRATION_BATCHES * CALIBRATION_BATCH_SIZE, CALIBRATION_BATCH_SIZE)
+        ]
+        co.calibrate(prepared, batches, progress=True)
+
+    with _step("3/5", "convert"):
+        converted = co.convert(prepared)
+        fake_quant_accuracy = accuracy(converted, split.x_test, split.y_test)
+
+    with _step("4/5", "export ONNX (fp32 and int8 QDQ)"):
+        int8_path = Path(co.export_onnx(converted, example, output_dir / "digits_cnn.int8.onnx"))
+        fp32_path = _export_float(model, example[0], output_dir / "digits_cnn.fp32.onnx")
+        print(f"      {int8_path}")
+
+    with _step("5/5", "verify in onnxruntime + latency"):
+        report = co.verify_onnx(converted, int8_path, split.x_test)
+        ort_predict = _ort_predict(_session(int8_path, threads=None))
+        ort_int8_accuracy = accuracy(ort_predict, split.x_test, split.y_test)
+        with torch.no_grad():
+            eager_top1 = converted(split.x_test).argmax(dim=1)
+        ort_top1 = ort_predict(split.x_test).argmax(dim=1)
+        top1_agreement = float((eager_top1 == ort_top1).float().mean())
+        fp32_session, int8_session = _session(fp32_path, threads=1), _session(int8_path, threads=1)
+        fp32_latency = {b: _median_latency_ms(fp32_session, split.x_test[:b].numpy()) for b in LATENCY_BATCHES}
+        int8_latency = {b: _median_latency_ms(int8_session, split.x_test[:b].numpy()) for b in LATENCY_BATCHES}
+
+    return DemoResult(
+        float_accuracy=float_accuracy,
+        fake_quant_accuracy=fake_quant_accuracy,
+        ort_int8_accuracy=ort_int8_accuracy,
+        top1_agreement=top1_agreement,
+        num_test=len(split.y_test),
+        max_abs_diff=float(report.max_abs_diff),
+        verification_ok=bool(report.ok),
+        fp32_bytes=_onnx_bytes(fp32_path),
+        int8_bytes=_onnx_bytes(int8_path),
+        fp32_weight_bytes=_initializer_bytes(fp32_path),
+        int8_weight_bytes=_initializer_bytes(int8_path),
+        fp32_latency_ms=fp32_latency,
+        int8_latency_ms=int8_latency,
+        fp32_path=fp32_path,
+        int8_path=int8_path,
+        model_source=source,
+    )
+
+
+def format_table(result: DemoResult) -> str:
+    """Render a :class:`DemoResult` as the demo's one plain-text table.
+
+    Args:
+        result: The measured numbers.
+
+    Returns:
+        A table with a ``metric`` column and a ``value`` column.
+    """
+    agree = round(result.top1_agreement * result.num_test)
+    rows = [
+        ("float accuracy (eager)", f"{result.float_accuracy:.2%}"),
+        ("fake-quant accuracy (eager, w8a8)", f"{result.fake_quant_accuracy:.2%}"),
+        ("int8 accuracy (onnxruntime)", f"{result.ort_int8_accuracy:.2%}"),
+        ("top-1 agreement eager vs onnxruntime", f"{result.top1_agreement:.2%} ({agree}/{result.num_test})"),
+        ("max |eager - onnxruntime| (logits)", f"{result.max_abs_diff:.3g}"),
+        ("file size fp32 -> int8", f"{_kib(result.fp32_bytes)} -> {_kib(result.int8_bytes)}"),
+        ("  of which initializers (weights)", f"{_kib(result.fp32_weight_bytes)} -> {_kib(result.int8_weight_bytes)}"),
+    ]
+    rows += [
+        (
+            f"latency fp32 -> int8 (1 thread, batch {batch})",
+            f"{result.fp32_latency_ms[batch]:.3f} ms -> {result.int8_latency_ms[batch]:.3f} ms",
+        )
+        for batch in sorted(result.fp32_latency_ms)
+    ]
+    width = max(len(name) for name, _ in rows)
+    value_width = max(len(value) for _, value in rows)
+    rule = f"+-{'-' * width}-+-{'-' * value_width}-+"
+    lines = [rule, f"| {'metric'.ljust(width)} | {'value'.ljust(value_width)} |", rule]
+    lines += [f"| {name.ljust(width)} | {value.ljust(value_width)} |" for name, value in rows]
+    lines.append(rule)
+    lines.append(f"(test set: {result.num_test} digits; latency: median of {LATENCY_REPEATS} onnxruntime runs)")
+    return "\n".join(lines)
+
+
+class _step:
+    """Context manager printing ``[i/n] title ... 1.2 s`` around one demo step."""
+
+    def __init__(self, index: str, title: str) -> None:
+        self.index, self.title = index, title
+
+    def __enter__(self) -> None:
+        print(f"[{self.index}] {self.title}", flush=True)
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            print(f"      done in {time.perf_counter() - self.start:.1f} s", flush=True)
+
+
+def _load_or_train(split: Any, cache_file: Path | None) -> tuple[torch.nn.Module, str]:
+    """Load cached DigitsCNN weights, or train the network (and cache it when ``cache_file`` is given)."""
+    import torch
+
+    from coreai_opt.datasets import train_classifier
+    from coreai_opt.reference_models import DigitsCNN
+
+    torch.manual_seed(SEED)
+    model = DigitsCNN()
+    if cache_file is not None and cache_file.is_file():
+        try:
+            model.load_state_dict(torch.load(cache_file, map_location="cpu", weights_only=True))
+            return model, f"loaded from cache {cache_file}"
+        except (RuntimeError, OSError, ValueError) as exc:
+            print(f"      ignoring unreadable cache {cache_file} ({type(exc).__name__}); training", file=sys.stderr)
+            model = DigitsCNN()
+    start = time.perf_counter()
+    train_classifier(model, split, epochs=EPOCHS, lr=LEARNING_RATE, seed=SEED)
+    source = f"trained {EPOCHS} epochs in {time.perf_counter() - start:.1f} s"
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".tmp")
+        torch.save(model.state_dict(), tmp)
+        tmp.replace(cache_file)
+        source += f", cached in {cache_file}"
+    return model, source
+
+
+def _export_float(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
+    """Export the float model (dynamic batch) with the dynamo exporter to one file: the fp32 baseline."""
+    import torch
+
+    dynamic_shapes = ({0: torch.export.Dim("batch")},)
+    torch.onnx.export(
+        model, (example,), str(path), dynamo=True, dynamic_shapes=dynamic_shapes, external_data=False, verbose=False
+    )
+    return path
+
+
+def _session(path: Path, threads: int | None) -> ort.InferenceSession:
+    """Open a CPU onnxruntime session; ``threads=1`` pins intra- and inter-op threads for latency runs."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _ort_predict(session: ort.InferenceSession) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Wrap an onnxruntime session as a batch -> logits function on torch tensors."""
+    import torch
+
+    name = session.get_inputs()[0].name
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(session.run(None, {name: x.numpy()})[0])
+
+    return predict
+
+
+def _median_latency_ms(session: ort.InferenceSession, x: np.ndarray) -> float:
+    """Median wall time of one ``session.run`` in milliseconds, after a warm-up."""
+    feed = {session.get_inputs()[0].name: x}
+    for _ in range(LATENCY_WARMUP):
+        session.run(None, feed)
+    times = []
+    for _ in range(LATENCY_REPEATS):
+        start = time.perf_counter_ns()
+        session.run(None, feed)
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1e6
+
+
+def _onnx_bytes(path: Path) -> int:
+    """Size of an ONNX model on disk, including its external-data file if there is one."""
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+def _initializer_bytes(path: Path) -> int:
+    """Serialized size of the model's initializers (weights, biases, scales, zero points)."""
+    import onnx
+
+    return sum(tensor.ByteSize() for tensor in onnx.load(str(path)).graph.initializer)
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
