@@ -10,6 +10,7 @@ exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write (:mod:`co
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,11 +111,38 @@ def _strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
         node.metadata_props.extend(kept)
 
 
+class _DropTorchvisionNotice(logging.Filter):
+    """Drop the exporter's "torchvision is not installed. Skipping torchvision::nms" notices.
+
+    torch's ONNX registry logs one per torchvision op whenever torchvision is absent, which is always the
+    case for this project's CPU stack; they say nothing about the model being exported.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torchvision is not installed" not in record.getMessage()
+
+
+_REGISTRY_LOGGER = logging.getLogger("torch.onnx._internal.exporter._registration")
+
+
 def _export_proto(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, dynamic_batch: bool,
     input_names: list[str], output_names: list[str],
 ) -> onnx.ModelProto:
-    program = torch.onnx.export(
+    notice_filter = _DropTorchvisionNotice()
+    _REGISTRY_LOGGER.addFilter(notice_filter)
+    try:
+        program = _dynamo_export(model, inputs, opset, dynamic_batch, input_names, output_names)
+    finally:
+        _REGISTRY_LOGGER.removeFilter(notice_filter)
+    return program.model_proto
+
+
+def _dynamo_export(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, dynamic_batch: bool,
+    input_names: list[str], output_names: list[str],
+) -> torch.onnx.ONNXProgram:
+    return torch.onnx.export(
         model,
         inputs,
         dynamo=True,
@@ -126,7 +154,6 @@ def _export_proto(
         external_data=False,
         verbose=False,
     )
-    return program.model_proto
 
 
 def export_onnx(
