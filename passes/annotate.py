@@ -29,11 +29,14 @@ dimension is reported for every offending node at once. Ops left float get a rea
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
+from torch.fx import GraphModule, Node
+
 from coreai_opt.passes.node_meta import (
     Annotation,
     DerivedSpec,
@@ -47,8 +50,6 @@ from coreai_opt.passes.node_meta import (
 )
 from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
-from torch.fx import GraphModule, Node
-
 from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
 
 __all__ = ["annotate", "Resolver"]
@@ -155,10 +156,14 @@ def _label(node: Node) -> str:
 class _Matcher:
     """Applies :data:`PATTERNS` to one graph; collects granularity errors so they are reported together."""
 
-    def __init__(self, gm: GraphModule, resolve: Resolver, int32_bias: bool, fixed_range_outputs: bool) -> None:
+    def __init__(
+        self, gm: GraphModule, resolve: Resolver, int32_bias: bool, fixed_range_outputs: bool, block_fallback: bool
+    ) -> None:
         self.gm, self.resolve = gm, resolve
         self.int32_bias, self.fixed_range_outputs = int32_bias, fixed_range_outputs
+        self.block_fallback = block_fallback
         self.errors: list[str] = []
+        self.fallbacks: list[str] = []
         self.fused: dict[Node, QuantSpec] = {}
 
     def specs(self, node: Node) -> _Resolved:
@@ -172,6 +177,10 @@ class _Matcher:
         try:
             mapped.granularity.qparam_shape(shape)
         except ValueError as exc:
+            if self.block_fallback and isinstance(mapped.granularity, PerBlock):
+                per_channel = mapped.model_copy(update={"granularity": PerChannel(axes.get(0, 0))})
+                self.fallbacks.append(f"{_label(op)} weight {tuple(shape)}")
+                return QuantSpec(per_channel, Role.WEIGHT)
             self.errors.append(f"{_label(op)} weight {tuple(shape)}: {exc}")
             return None
         return QuantSpec(mapped, Role.WEIGHT)
@@ -263,8 +272,10 @@ class _Matcher:
         return bias, DerivedSpec((data[0], weight))
 
 
-def annotate(gm: GraphModule, resolve: Resolver, *, int32_bias: bool = True, fixed_range_outputs: bool = True
-             ) -> PassResult:
+def annotate(
+    gm: GraphModule, resolve: Resolver, *, int32_bias: bool = True, fixed_range_outputs: bool = True,
+    per_block_fallback: str = "error",
+) -> PassResult:
     """Write an :class:`Annotation` (and float reasons) on every node that needs quantizers.
 
     Args:
@@ -272,6 +283,8 @@ def annotate(gm: GraphModule, resolve: Resolver, *, int32_bias: bool = True, fix
         resolve: ``QuantizerConfig.resolve``-compatible callable; ``None`` specs mean float.
         int32_bias: Quantize conv/linear biases to int32 with derived scale when input and weight are quantized.
         fixed_range_outputs: Use [0, 1] for softmax/sigmoid and [-1, 1] for tanh outputs.
+        per_block_fallback: ``"error"`` or ``"per_channel"``: what a per-block weight spec becomes on a weight
+            whose blocked dimension the block size does not divide (``"per_channel"`` warns, listing them).
 
     Returns:
         ``PassResult`` counting annotated nodes.
@@ -279,7 +292,9 @@ def annotate(gm: GraphModule, resolve: Resolver, *, int32_bias: bool = True, fix
     Raises:
         ValueError: the graph was not classified, or weight granularities do not fit (every node listed).
     """
-    matcher = _Matcher(gm, resolve, int32_bias, fixed_range_outputs)
+    if per_block_fallback not in ("error", "per_channel"):
+        raise ValueError(f"per_block_fallback must be 'error' or 'per_channel', got {per_block_fallback!r}")
+    matcher = _Matcher(gm, resolve, int32_bias, fixed_range_outputs, per_block_fallback == "per_channel")
     changes = 0
     for node in gm.graph.nodes:
         meta = get_meta(node)
@@ -289,6 +304,13 @@ def annotate(gm: GraphModule, resolve: Resolver, *, int32_bias: bool = True, fix
         reason = "; ".join(r for r in (meta.float_reason, reason) if r) or None  # keep earlier passes' reasons
         set_meta(node, replace(meta, annotation=annotation, float_reason=reason))
         changes += annotation is not None
+    if matcher.fallbacks:
+        warnings.warn(
+            "per-block weight quantization does not fit these layers, which use per-channel scales instead: "
+            + ", ".join(matcher.fallbacks),
+            UserWarning,
+            stacklevel=3,
+        )
     if matcher.errors:
         raise ValueError(
             "weight granularity does not fit:\n  " + "\n  ".join(matcher.errors)

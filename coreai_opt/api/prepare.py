@@ -96,8 +96,8 @@ def prepare(
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
         gm = fold_batchnorm(gm).graph_module
-    gm = annotate(gm, config.resolve, int32_bias=config.int32_bias,
-                  fixed_range_outputs=config.fixed_range_outputs).graph_module
+    gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
+                  per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers

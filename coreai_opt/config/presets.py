@@ -7,6 +7,9 @@
 * ``w4a8``: int4 per-block (axis 1, 32) weights + uint8 asymmetric per-tensor activations.
 * ``w8a16``: int8 per-channel weights + uint16 asymmetric per-tensor activations.
 * ``fp8``: float8_e4m3fn symmetric weights (per-channel, axis 0) and activations (per-tensor).
+* ``w8a8_dynamic``: linears only: int8 per-channel weights + uint8 per-tensor activations whose qparams are
+  computed from every tensor at run time (ONNX ``DynamicQuantizeLinear``); no calibration data needed. Not in
+  ``names()`` (a transformer preset reached as ``QuantizerConfig.presets.w8a8_dynamic()``).
 
 ``describe()`` returns this list as (name, weight summary, activation summary) rows, computed from the
 presets themselves.
@@ -34,8 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from coreai_opt.config.quantizer_config import QuantizerConfig
+from coreai_opt.config.quantizer_config import OpConfig, QuantizerConfig
 from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, QuantizationScheme, QuantizationSpec
+from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
 
 __all__ = [
     "ACTIVATION_RANGES",
@@ -51,6 +55,7 @@ __all__ = [
     "w8a8",
     "w8a8_sym",
     "w8a16",
+    "w8a8_dynamic",
 ]
 
 #: ``activation_range`` choice -> (range calculator, qparams calculator).
@@ -139,10 +144,13 @@ def w4(block_size: int = 32) -> QuantizerConfig:
     """Int4 symmetric per-block weights (axis 1, ``block_size``), activations float.
 
     Args:
-        block_size: Elements per block along the input channels; must divide every quantized weight's
-            input-channel count.
+        block_size: Elements per block along the input channels. Layers whose input-channel count it does
+            not divide (e.g. a 3-channel stem conv) fall back to per-channel int4 with a warning.
     """
-    return QuantizerConfig(weight=_per_block_weight("int4", block_size), activation=None, int32_bias=False)
+    return QuantizerConfig(
+        weight=_per_block_weight("int4", block_size), activation=None, int32_bias=False,
+        per_block_fallback="per_channel",
+    )
 
 
 def w8a8(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
@@ -183,6 +191,7 @@ def w4a8(block_size: int = 32, activation_range: str = "minmax", percentile: flo
         weight=_per_block_weight("int4", block_size),
         activation=_activation("uint8", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
         int32_bias=False,
+        per_block_fallback="per_channel",
     )
 
 
@@ -210,6 +219,20 @@ def fp8(activation_range: str = "minmax", percentile: float | None = None) -> Qu
         weight=_per_channel_weight("float8_e4m3fn"),
         activation=_activation("float8_e4m3fn", QuantizationScheme.SYMMETRIC, activation_range, percentile),
         int32_bias=False,
+    )
+
+
+def w8a8_dynamic() -> QuantizerConfig:
+    """Dynamic W8A8 for transformers: every linear gets int8 per-channel weights and a dynamic uint8 input.
+
+    The input quantizer (fake-quantize key ``"dynamic"``) computes ``s = (max(0, max x) − min(0, min x)) / 255``
+    and its zero point from each tensor (ONNX ``DynamicQuantizeLinear``), so ``calibrate`` has nothing to observe;
+    the exported ``DynamicQuantizeLinear → MatMul`` pairs run as onnxruntime ``DynamicQuantizeMatMul``, the kernel
+    ``quantize_dynamic`` uses. Everything that is not a linear stays float. Smooth outliers first with
+    ``coreai_opt.api.smooth_quant.smooth_quant`` (a separate step: it rewrites the float model).
+    """
+    return QuantizerConfig(weight=None, activation=None).set_op_kind(
+        "linear", OpConfig(weight=_per_channel_weight("int8"), activation=dynamic_activation_spec())
     )
 
 
@@ -276,6 +299,7 @@ class Presets:
     w4a8 = staticmethod(w4a8)
     w8a16 = staticmethod(w8a16)
     fp8 = staticmethod(fp8)
+    w8a8_dynamic = staticmethod(w8a8_dynamic)
     names = staticmethod(names)
     get = staticmethod(get)
     describe = staticmethod(describe)

@@ -369,6 +369,10 @@ class QuantizerConfig(BaseModel):
         fold_batchnorm: Fold BatchNorm into the preceding conv/linear before inserting quantizers.
         fixed_range_outputs: sigmoid/softmax outputs use the fixed range [0, 1] and tanh outputs [-1, 1]
             instead of calibrated ranges.
+        per_block_fallback: What to do with a per-block weight spec whose block size does not divide the
+            weight's blocked dimension (e.g. a 3-channel stem conv under block 32): ``"error"`` (prepare raises,
+            listing every such layer) or ``"per_channel"`` (that layer uses per-output-channel scales instead,
+            with a warning listing the layers).
 
     Example:
         >>> cfg = QuantizerConfig.presets.w8a8().set_op_kind("softmax", None)
@@ -389,6 +393,7 @@ class QuantizerConfig(BaseModel):
     int32_bias: StrictBool = True
     fold_batchnorm: StrictBool = True
     fixed_range_outputs: StrictBool = True
+    per_block_fallback: Literal["error", "per_channel"] = "error"
 
     @field_validator("weight", "activation", mode="before")
     @classmethod
@@ -562,6 +567,7 @@ class QuantizerConfig(BaseModel):
             "int32_bias": self.int32_bias,
             "fold_batchnorm": self.fold_batchnorm,
             "fixed_range_outputs": self.fixed_range_outputs,
+            "per_block_fallback": self.per_block_fallback,
         }
 
     @staticmethod

@@ -4,12 +4,12 @@ import warnings
 
 import pytest
 import torch
-from coreai_opt.passes.capture import CaptureError
 from torch import nn
 
 from coreai_opt.api import calibrate, convert, enable_observers, prepare, summary
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
+from coreai_opt.passes.capture import CaptureError
 from coreai_opt.quantization.spec import QuantizationSpec
 from tests.zoo import PRESETS, ZOO, build, preset_config, weighted_layer_count
 
@@ -110,8 +110,10 @@ def test_prepare_rejects_a_dtype_mix_the_spec_forbids():
 
 def test_prepare_rejects_block_size_that_does_not_divide_naming_the_module():
     model, example, _ = build("resnet18")
+    config = QuantizerConfig.presets.w4(block_size=8)
+    config.per_block_fallback = "error"
     with pytest.raises(ValueError, match=re.escape("stem.0 (conv2d) weight (8, 3, 7, 7)")):
-        prepare(model, QuantizerConfig.presets.w4(block_size=8), example)
+        prepare(model, config, example)
 
 
 def test_prepare_qat_starts_in_train_mode_with_observers_on():

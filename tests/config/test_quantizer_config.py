@@ -417,6 +417,7 @@ def test_to_dict_layout_is_plain_and_json_serialisable():
         "int32_bias",
         "fold_batchnorm",
         "fixed_range_outputs",
+        "per_block_fallback",
     ]
     assert data["op_kind"]["softmax"] is None
     assert data["op_kind"]["linear"] == {"activation": None}

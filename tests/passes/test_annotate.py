@@ -1,11 +1,11 @@
 import pytest
 import torch
-from coreai_opt.passes.node_meta import DerivedSpec, QuantSpec, Role, SharedSpec, get_meta
-from coreai_opt.passes.op_kinds import OpKind
 from torch import nn
 
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
+from coreai_opt.passes.node_meta import DerivedSpec, QuantSpec, Role, SharedSpec, get_meta
+from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
 from tests.passes.pipeline import annotated
 from tests.zoo import build
@@ -48,12 +48,26 @@ def test_annotate_conv_transpose_weight_axes_are_swapped():
     assert weight_spec.spec.granularity == PerBlock(axis=0, block_size=2)  # input channels of [in, out, kh, kw]
 
 
-def test_annotate_rejects_block_size_not_dividing_naming_every_node():
+def test_annotate_rejects_block_size_not_dividing_naming_every_node_when_fallback_is_error():
     model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 1), nn.Conv2d(8, 4, 1)).eval()
+    config = QuantizerConfig.presets.w4()
+    config.per_block_fallback = "error"
     with pytest.raises(ValueError, match=r"0 \(conv2d\) weight \(8, 3, 1, 1\).*block_size=32") as info:
-        annotated(model, torch.randn(1, 3, 4, 4), QuantizerConfig.presets.w4())
+        annotated(model, torch.randn(1, 3, 4, 4), config)
     message = str(info.value)
     assert "1 (conv2d_1)" in message and "2 (conv2d_2)" in message and "set_module_name" in message
+
+
+def test_annotate_falls_back_to_per_channel_for_undividable_blocks_with_a_warning():
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 64, 1), nn.Conv2d(64, 4, 1)).eval()
+    with pytest.warns(UserWarning, match=r"use per-channel scales instead: 0 \(conv2d\) weight \(8, 3, 1, 1\), "
+                                         r"1 \(conv2d_1\) weight \(64, 8, 1, 1\)$"):
+        gm = annotated(model, torch.randn(1, 3, 4, 4), QuantizerConfig.presets.w4())
+    granularities = [
+        s.spec.granularity for conv in _by_kind(gm, OpKind.CONV) for a, s in get_meta(conv).annotation.inputs
+        if a.op == "get_attr"
+    ]
+    assert granularities == [PerChannel(0), PerChannel(0), PerBlock(axis=1, block_size=32)]
 
 
 def test_annotate_rejects_per_channel_axis_beyond_rank():

@@ -4,10 +4,10 @@ import operator
 
 import pytest
 import torch
-from coreai_opt.passes.capture import CaptureError, capture
-from coreai_opt.passes.node_meta import get_meta
 from torch import nn
 
+from coreai_opt.passes.capture import CaptureError, capture
+from coreai_opt.passes.node_meta import get_meta
 from tests.zoo import ZOO, build
 
 

@@ -2,12 +2,12 @@ from collections import Counter
 
 import pytest
 import torch
-from coreai_opt.passes.insert_quantizers import insert_quantizers
-from coreai_opt.passes.node_meta import Role, get_meta
-from coreai_opt.passes.op_kinds import OpKind
 from torch import fx, nn
 
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.passes.insert_quantizers import insert_quantizers
+from coreai_opt.passes.node_meta import Role, get_meta
+from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, PerChannel, QuantizationSpec
 from tests.passes.pipeline import annotated, inserted
 from tests.zoo import ZOO, build
