@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -234,51 +236,200 @@ def test_extra_repr_shows_spec_mode_and_abbreviated_qparams() -> None:
     assert "export_mode=False" in text and "scale=[1, 2, 3, 4, ...]" in text and "zero_point=[0, 0, 0, 0, ...]" in text
 
 
-class _FakeDist:
-    """Stands in for torch.distributed with one simulated peer rank holding ``peer`` values."""
+class _Work:
+    def __init__(self, waits: list[object]) -> None:
+        self.waits = waits
 
-    def __init__(self, peer: dict[str, Tensor]) -> None:
-        self.peer = peer
-        self.calls: list[str] = []
-
-        class ReduceOp:
-            SUM, MIN, MAX = "sum", "min", "max"
-
-        self.ReduceOp = ReduceOp
-
-    def get_world_size(self, group: object | None = None) -> int:
-        return 2
-
-    def all_reduce(self, tensor: Tensor, op: str, group: object | None = None) -> None:
-        other = self.peer[f"{op}:{len(self.calls)}"]
-        self.calls.append(op)
-        merged = {"sum": tensor + other, "min": torch.minimum(tensor, other), "max": torch.maximum(tensor, other)}[op]
-        tensor.copy_(merged)
+    def wait(self, timeout: object = None) -> bool:
+        self.waits.append(timeout)
+        return True
 
 
-def test_sync_statistics_merges_running_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed as dist
+class _ThreadRanks:
+    """Simulated ranks: one thread per rank, ``torch.distributed`` collectives replaced by a lock-step exchange.
 
-    ema = MovingAverageQParamsCalculator(QuantizationSpec(dtype="int8", qparams_calculator="moving_average"))
-    ema.observe(torch.tensor([-1.0, 3.0]))
-    fake = _FakeDist({"sum:0": torch.tensor(-3.0), "sum:1": torch.tensor(5.0)})
-    monkeypatch.setattr(dist, "all_reduce", fake.all_reduce)
-    monkeypatch.setattr(dist, "get_world_size", fake.get_world_size)
-    monkeypatch.setattr(dist, "ReduceOp", fake.ReduceOp)
-    ema.sync_statistics()
-    assert (ema.running_min.item(), ema.running_max.item()) == (-2.0, 4.0)  # mean of the two ranks
+    Reductions run in rank order; every collective is recorded per rank (``calls``), as is every ``wait``
+    timeout of an ``async_op`` collective (``waits``). A rank that skips a collective makes the barrier time out.
+    """
 
-    glob = GlobalMinMaxQParamsCalculator(QuantizationSpec(dtype="int8", qparams_calculator="global_minmax"))
-    glob.observe(torch.tensor([-1.0, 3.0]))
-    fake2 = _FakeDist({"min:0": torch.tensor(-3.0), "max:1": torch.tensor(2.0)})
-    monkeypatch.setattr(dist, "all_reduce", fake2.all_reduce)
-    glob.sync_statistics()
-    assert (glob.running_min.item(), glob.running_max.item()) == (-3.0, 3.0)
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.calls: list[list[str]] = [[] for _ in range(world)]
+        self.waits: list[object] = []
+        self._barrier = threading.Barrier(world, timeout=20)
+        self._slots: list[Tensor | None] = [None] * world
+        self._local = threading.local()
 
-    static = StaticQParamsCalculator(QuantizationSpec(dtype="int8"))
-    static.observe(torch.tensor([-1.0, 3.0]))
-    fake3 = _FakeDist({"min:0": torch.tensor(-3.0), "max:1": torch.tensor(2.0)})
-    monkeypatch.setattr(dist, "all_reduce", fake3.all_reduce)
-    static.sync_statistics()
-    assert fake3.calls == ["min", "max"]
-    assert static.commit().scale.item() == torch.tensor(3 / 127.5).item()
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> _ThreadRanks:
+        import torch.distributed as dist
+
+        monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
+        monkeypatch.setattr(dist, "all_gather", self.all_gather)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: self.world)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+        return self
+
+    def _exchange(self, tensor: Tensor) -> list[Tensor]:
+        self._slots[self._local.rank] = tensor.detach().clone()
+        self._barrier.wait()
+        values = [t for t in self._slots if t is not None]
+        self._barrier.wait()
+        return values
+
+    def all_reduce(self, tensor: Tensor, op: object = None, group: object | None = None, async_op: bool = False):  # noqa: ANN201
+        import torch.distributed as dist
+
+        name = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}[op]
+        self.calls[self._local.rank].append(name)
+        values = self._exchange(tensor)
+        out = values[0].clone()
+        for value in values[1:]:
+            out = {"sum": out + value, "min": torch.minimum(out, value), "max": torch.maximum(out, value)}[name]
+        tensor.copy_(out)
+        return _Work(self.waits) if async_op else None
+
+    def all_gather(self, out: list[Tensor], tensor: Tensor, group: object | None = None, async_op: bool = False):  # noqa: ANN201
+        self.calls[self._local.rank].append("gather")
+        for slot, value in zip(out, self._exchange(tensor), strict=True):
+            slot.copy_(value)
+        return _Work(self.waits) if async_op else None
+
+    def run(self, fn: Callable[[int], object]) -> list[object]:
+        """Run ``fn(rank)`` on every simulated rank; returns each rank's result or raised exception."""
+        results: list[object] = [None] * self.world
+
+        def target(rank: int) -> None:
+            self._local.rank = rank
+            try:
+                results[rank] = fn(rank)
+            except Exception as exc:  # noqa: BLE001 - returned to the test
+                results[rank] = exc
+
+        threads = [threading.Thread(target=target, args=(r,)) for r in range(self.world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return results
+
+
+def _ema(per_channel: bool = True) -> MovingAverageQParamsCalculator:
+    granularity = PerChannel(0) if per_channel else PerTensor()
+    spec = QuantizationSpec(
+        dtype="int8", granularity=granularity, qparams_calculator="moving_average", averaging_constant=0.5
+    )
+    return MovingAverageQParamsCalculator(spec)
+
+
+def _weighted(values: list[Tensor], weights: list[int]) -> Tensor:
+    """The documented rule, written out: Σ w·m / Σ w in float64, rank order, cast to float32."""
+    num = sum((v.double() * w for v, w in zip(values, weights, strict=True)), torch.zeros_like(values[0]).double())
+    return (num / sum(weights)).float()
+
+
+def test_moving_average_sync_is_batch_weighted_and_an_empty_rank_adopts_the_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ranks = _ThreadRanks(3).install(monkeypatch)
+    batches = {0: [X * 2.0, X - 1.0], 1: [X * 0.5 + 0.25], 2: []}  # rank 2 saw no data
+    calcs = [_ema() for _ in range(3)]
+    for rank, xs in batches.items():
+        for x in xs:
+            calcs[rank].observe(x)
+    assert [c.batches_since_sync for c in calcs] == [2, 1, 0]
+    assert calcs[2].running_min.shape == (0,)
+    before = [(c.running_min.clone(), c.running_max.clone()) for c in calcs[:2]]
+
+    assert ranks.run(lambda r: calcs[r].sync_statistics()) == [None] * 3
+    expected_min = _weighted([b[0] for b in before], [2, 1])
+    expected_max = _weighted([b[1] for b in before], [2, 1])
+    last_min = torch.minimum(X.amin(1) - 1.0, X.amin(1) * 0.5 + 0.25)  # last batches of ranks 0 and 1
+    for calc in calcs:
+        assert torch.equal(calc.running_min, expected_min) and torch.equal(calc.running_max, expected_max)
+        assert torch.equal(calc.range_calculator.min_val, last_min)  # the last-batch range is merged too
+        assert calc.batches_since_sync == 0
+    assert ranks.calls[2] == ["max", "gather", "max", "min", "max"]  # shapes, EMA, then the last-batch range
+
+    # No batch since the merge: Σ w = 0, nothing changes (a repeated merge is a no-op).
+    assert ranks.run(lambda r: calcs[r].sync_statistics(only_order_dependent=True)) == [None] * 3
+    assert all(torch.equal(c.running_min, expected_min) for c in calcs)
+
+
+def test_moving_average_rank_weights_follow_the_batch_counter() -> None:
+    calc = _ema(per_channel=False)
+    calc.observe(X)
+    calc.observe(X)
+    assert calc.batches_since_sync == 2
+    calc.reset_statistics()
+    assert calc.batches_since_sync == 0
+    calc(X)
+    calc.set_export_mode(True)
+    calc(X)  # frozen: observes nothing
+    assert calc.batches_since_sync == 1
+
+
+def test_global_and_static_minmax_sync_with_an_empty_rank_and_a_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datetime import timedelta
+
+    from coreai_opt.quantization.spec.collectives import collective_timeout
+
+    ranks = _ThreadRanks(3).install(monkeypatch)
+    data = {0: X, 1: X * -2.0}
+    glob = [GlobalMinMaxQParamsCalculator(QuantizationSpec(dtype="int8", granularity=PerChannel(0),
+                                                           qparams_calculator="global_minmax")) for _ in range(3)]
+    static = [StaticQParamsCalculator(QuantizationSpec(dtype="int8", granularity=PerChannel(0))) for _ in range(3)]
+    for rank, x in data.items():
+        glob[rank].observe(x)
+        static[rank].observe(x)
+
+    def sync(rank: int) -> None:
+        with collective_timeout(5.0):
+            glob[rank].sync_statistics()
+            static[rank].sync_statistics()
+
+    assert ranks.run(sync) == [None] * 3
+    mins = torch.minimum(X.amin(1), (X * -2.0).amin(1))
+    maxs = torch.maximum(X.amax(1), (X * -2.0).amax(1))
+    for rank in range(3):
+        assert torch.equal(glob[rank].running_min, mins) and torch.equal(glob[rank].running_max, maxs)
+        assert torch.equal(static[rank].observed_range()[0], mins)
+        assert torch.equal(static[rank].observed_range()[1], maxs)
+    assert static[2].commit().scale.tolist() == static[0].commit().scale.tolist()
+    assert ranks.waits and set(ranks.waits) == {timedelta(seconds=5)}
+
+
+def test_sync_without_data_anywhere_and_order_dependent_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = _ThreadRanks(2).install(monkeypatch)
+    glob = [GlobalMinMaxQParamsCalculator(QuantizationSpec(dtype="int8", qparams_calculator="global_minmax"))
+            for _ in range(2)]
+    assert ranks.run(lambda r: glob[r].sync_statistics()) == [None] * 2
+    assert all(g.running_min.numel() == 0 and not g.has_statistics for g in glob)  # nothing to merge anywhere
+    calls = [len(c) for c in ranks.calls]
+    assert ranks.run(lambda r: glob[r].sync_statistics(only_order_dependent=True)) == [None] * 2
+    assert [len(c) for c in ranks.calls] == calls  # not order-dependent: returns without a collective
+    dynamic = DynamicQParamsCalculator(QuantizationSpec(dtype="int8", qparams_calculator="dynamic"))
+    dynamic.sync_statistics()  # stateless: nothing to merge, no collective
+
+
+def test_sync_raises_on_every_rank_when_qparam_shapes_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = _ThreadRanks(2).install(monkeypatch)
+    calcs = [_ema(), _ema()]
+    calcs[0].observe(X)  # 2 channels
+    calcs[1].observe(torch.randn(3, 4))  # 3 channels
+    results = ranks.run(lambda r: calcs[r].sync_statistics())
+    assert all(isinstance(e, ValueError) and "different qparam shapes" in str(e) for e in results)
+
+
+def test_histogram_static_sync_equals_single_process_with_an_empty_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    ranks = _ThreadRanks(3).install(monkeypatch)
+    spec = QuantizationSpec(dtype="int8", granularity=PerChannel(0), range_calculator="percentile", num_bins=256)
+    shards = [torch.randn(2, 64) * 3.0, torch.randn(2, 64) * 40.0]
+    calcs = [StaticQParamsCalculator(spec) for _ in range(3)]
+    for calc, shard in zip(calcs, shards, strict=False):
+        calc.observe(shard)
+    whole = StaticQParamsCalculator(spec)
+    whole.observe(torch.cat(shards, dim=1))
+    assert ranks.run(lambda r: calcs[r].sync_statistics()) == [None] * 3
+    for calc in calcs:
+        assert torch.equal(calc.range_calculator.histogram.counts, whole.range_calculator.histogram.counts)
+        assert torch.equal(calc.commit().scale, whole.commit().scale)

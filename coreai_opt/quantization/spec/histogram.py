@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
+from coreai_opt.quantization.spec.collectives import agree_shape, all_reduce
 from coreai_opt.quantization.spec.granularity import Granularity
 from coreai_opt.quantization.spec.range_calculator import RangeCalculatorBase, finite_rows_min_max
 
@@ -59,9 +60,6 @@ MAX_HISTOGRAM_ENTRIES: int = 2**24
 
 #: Smallest grid exponent: every row covers at least ``[-2^K_FLOOR, 2^K_FLOOR)``.
 K_FLOOR: int = -100
-
-_MAX_SHAPE_RANK = 8  # qparam shapes exchanged by all_reduce are padded to this rank
-
 
 def check_num_bins(num_bins: int) -> int:
     """Validate ``num_bins``: a power of two, at least 16.
@@ -267,39 +265,29 @@ class RowHistogram(nn.Module):
     def all_reduce(self, group: object | None = None) -> None:
         """Merge the histograms of every rank of ``group`` so that all ranks end with the same, exact result.
 
+        ``k = MAX_r k_r``; every rank moves its counts onto the grid of ``k`` (exact), then
+        ``counts = SUM_r counts_r``, ``row_min = MIN_r row_min_r``, ``row_max = MAX_r row_max_r``.
+
         Collectives, in order (every rank runs all of them, also a rank that saw no data):
 
-        1. MAX of ``[R, -R_or_sentinel]``: the row count, and a check that all ranks with data agree.
+        1. The row count ``R`` (:func:`~coreai_opt.quantization.spec.collectives.agree_shape` of ``(R,)``);
+           a rank without rows allocates ``R`` empty rows (neutral: zero counts, ``K_FLOOR``, ``±inf``).
         2. MAX of ``exponent``; each rank moves its counts onto the common grid.
         3. SUM of ``counts``; MIN of ``row_min``; MAX of ``row_max``.
 
         Raises:
             ValueError: on every rank, when ranks observed different row counts.
         """
-        import torch.distributed as dist
-
-        device = self.counts.device
-        sentinel = -(2**62)
         rows = self.num_rows
-        shape_info = torch.tensor([rows, -rows if rows else sentinel], dtype=torch.int64, device=device)
-        dist.all_reduce(shape_info, op=dist.ReduceOp.MAX, group=group)
-        max_rows, min_rows = int(shape_info[0]), -int(shape_info[1])
-        if max_rows == 0:
+        agreed = agree_shape((rows,) if rows else None, group, what="RowHistogram.all_reduce")
+        if agreed is None or agreed[0] == 0:
             return
-        if min_rows != max_rows:
-            raise ValueError(
-                f"all_reduce: ranks observed tensors with different qparam group counts ({min_rows} vs {max_rows}); "
-                "every rank must feed the same layer the same tensor layout"
-            )
         if rows == 0:
-            self._allocate(max_rows, device)
-        exponent = self.exponent.clone()
-        dist.all_reduce(exponent, op=dist.ReduceOp.MAX, group=group)
-        self._grow_to(exponent)
-        counts, row_min, row_max = self.counts.clone(), self.row_min.clone(), self.row_max.clone()
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(row_min, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            self._allocate(agreed[0], self.counts.device)
+        self._grow_to(all_reduce(self.exponent, "max", group))
+        counts = all_reduce(self.counts, "sum", group)
+        row_min = all_reduce(self.row_min, "min", group)
+        row_max = all_reduce(self.row_max, "max", group)
         self.counts, self.row_min, self.row_max = counts, row_min, row_max
 
     # ------------------------------------------------------------------------------------------- loading
@@ -400,27 +388,19 @@ class HistogramRangeCalculatorBase(RangeCalculatorBase):
         return self
 
     def all_reduce(self, group: object | None = None) -> None:
-        """Merge statistics across ranks; ranks that saw no data adopt the others' shape (see RowHistogram)."""
-        import torch.distributed as dist
+        """Merge statistics across the ranks of ``group``, exactly (see :meth:`RowHistogram.all_reduce`).
 
-        device = self.histogram.counts.device
-        # [rank, dims..] (padded with -1) and its negation: MAX gives the shape and a consistency check.
-        packed = torch.full((_MAX_SHAPE_RANK + 1,), -1, dtype=torch.int64, device=device)
-        if self._shape_known:
-            dims = self.qparam_shape.to(device)
-            packed[0] = dims.numel()
-            packed[1 : 1 + dims.numel()] = dims
-            both = torch.cat([packed, -packed])
-        else:
-            both = torch.cat([packed, torch.full_like(packed, -(2**62))])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        high, low = both[: _MAX_SHAPE_RANK + 1], -both[_MAX_SHAPE_RANK + 1 :]
-        if int(high[0]) >= 0:
-            if not torch.equal(high, low):
-                raise ValueError(f"{self.name}: all_reduce found ranks that observed different qparam shapes")
-            if not self._shape_known:
-                self.qparam_shape = high[1 : 1 + int(high[0])].clone()
-                self._shape_known = True
+        The qparam shape is agreed first; a rank that saw no data adopts it and contributes an empty
+        histogram, so every rank ends with the histogram of all data. Nothing changes when no rank saw data.
+
+        Raises:
+            ValueError: on every rank, when ranks observed different qparam shapes.
+        """
+        local = tuple(int(d) for d in self.qparam_shape.tolist()) if self._shape_known else None
+        shape = agree_shape(local, group, what=self.name)
+        if shape is not None and not self._shape_known:
+            self.qparam_shape = torch.tensor(shape, dtype=torch.int64, device=self.qparam_shape.device)
+            self._shape_known = True
         self.histogram.all_reduce(group)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # noqa: D102, ANN001

@@ -11,6 +11,13 @@ A qparams calculator owns exactly one range calculator (built from the spec) and
   min and/or max at commit time.
 * :class:`StatelessQParamsCalculatorBase` keeps no qparams and recomputes them on every forward (the scale
   shape may follow a variable sequence length); it cannot be frozen for export.
+
+Across ``torch.distributed`` ranks every calculator merges its statistics with one method,
+``sync_statistics(group=None, *, only_order_dependent=False)``: the default merges the range calculator
+(``range_calculator.all_reduce``), the running calculators of :mod:`qparams_calculators` add their running
+range. Every rank must call it, also a rank that saw no data. ``order_dependent`` (class attribute) marks
+calculators whose merged result depends on *when* merges happen (``moving_average``); with
+``only_order_dependent=True`` the others return at once without any collective.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ class QParamsCalculatorBase(nn.Module):
     """
 
     stateless: ClassVar[bool] = False
+    #: True when merging across ranks at different times gives different results (an EMA); such calculators
+    #: are merged after every step by ``calibrate(..., sync="every_batch")``.
+    order_dependent: ClassVar[bool] = False
     registry_key: ClassVar[str]
 
     def __init__(self, spec: QuantizationSpec) -> None:
@@ -114,8 +124,23 @@ class QParamsCalculatorBase(nn.Module):
         """Apply :func:`~coreai_opt.quantization.spec.qparams_math.compute_qparams` with the spec's dtype/scheme."""
         return compute_qparams(min_val, max_val, self.dtype_info, self.spec.qscheme)
 
-    def sync_statistics(self, group: object | None = None) -> None:
-        """Merge running statistics across the ranks of ``group`` (default: the range calculator's merge)."""
+    def sync_statistics(self, group: object | None = None, *, only_order_dependent: bool = False) -> None:
+        """Merge the statistics across the ranks of ``group``; afterwards every rank holds the same statistics.
+
+        The default merges the range calculator (:meth:`RangeCalculatorBase.all_reduce`, e.g. MIN / MAX of the
+        last-batch range for ``minmax``, SUM of the histograms for percentile / mse / entropy). Qparams are
+        not recomputed: :meth:`commit` afterwards. Safe on a rank that saw no data.
+
+        Args:
+            group: Process group (default: the world). Every rank of it must call this method.
+            only_order_dependent: Merge only order-dependent statistics (see :attr:`order_dependent`); a
+                calculator without any returns at once, without a collective.
+
+        Raises:
+            ValueError: on every rank, when ranks observed different qparam shapes.
+        """
+        if only_order_dependent and not self.order_dependent:
+            return
         self.range_calculator.all_reduce(group)
 
     def extra_repr(self) -> str:  # noqa: D102
@@ -132,6 +157,9 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
     Buffers: ``scale`` (float32), ``zero_point`` (int32) and ``minval`` (float32), the last two ``None`` for
     float8; ``committed`` (bool) records whether qparams were ever computed. Subclasses decide which range
     :meth:`commit` uses by overriding :meth:`observe` / :meth:`observed_range` / :attr:`has_statistics`.
+
+    ``batches_since_sync`` (int attribute, not in ``state_dict``) counts the :meth:`observe` calls since the
+    last :meth:`sync_statistics` or :meth:`reset_statistics`: a rank's weight in batch-weighted merges.
     """
 
     scale: Tensor
@@ -146,6 +174,7 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
         self.register_buffer("minval", None if is_float else torch.empty(0))
         self.register_buffer("committed", torch.tensor(False))
         self.export_mode = False
+        self.batches_since_sync = 0
 
     # --- state ---
     @property
@@ -185,6 +214,13 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
         """Accumulate statistics of ``x`` (nothing in export mode). Cheap: no qparams are computed."""
         if not self.export_mode:
             self.range_calculator.update(x)
+            self.batches_since_sync += 1
+
+    def sync_statistics(self, group: object | None = None, *, only_order_dependent: bool = False) -> None:  # noqa: D102
+        if only_order_dependent and not self.order_dependent:
+            return
+        super().sync_statistics(group)
+        self.batches_since_sync = 0
 
     def observed_range(self) -> tuple[Tensor, Tensor]:
         """Return the ``(min, max)`` that :meth:`commit` turns into qparams."""
@@ -193,6 +229,7 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
     def reset_statistics(self) -> None:
         """Forget all statistics (committed qparams stay)."""
         self.range_calculator.reset()
+        self.batches_since_sync = 0
 
     def commit(self) -> QParams:
         """Compute qparams from the statistics (``float_range`` ends override them) into the buffers.
@@ -323,5 +360,5 @@ class StatelessQParamsCalculatorBase(QParamsCalculatorBase):
         """Forget the last tensor's statistics."""
         self.range_calculator.reset()
 
-    def sync_statistics(self, group: object | None = None) -> None:
-        """No-op: nothing persists between calls, so there is nothing to merge."""
+    def sync_statistics(self, group: object | None = None, *, only_order_dependent: bool = False) -> None:
+        """No-op: nothing persists between calls, so there is nothing to merge (and no collective runs)."""

@@ -11,7 +11,9 @@ Contract of every subclass:
   are ignored, with one warning naming the calculator.
 * ``compute_range()`` returns ``(min_val, max_val)`` with the qparam shape.
 * ``reset()`` forgets everything; ``has_statistics`` says whether anything was observed.
-* ``all_reduce(group)`` merges statistics across ranks so every rank ends identical.
+* ``all_reduce(group=None)`` merges statistics across ranks so every rank ends identical. It is safe on a
+  rank that saw no data: shapes are agreed first and such a rank contributes neutral elements (see
+  :mod:`~coreai_opt.quantization.spec.collectives`). Every rank of ``group`` must call it.
 * ``accumulates`` (class attribute): True when the statistics already summarise *every* batch seen
   (histograms). Such calculators pair only with the ``static`` qparams calculator.
 """
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
+from coreai_opt.quantization.spec.collectives import agree_shape, all_reduce
 from coreai_opt.quantization.spec.granularity import Granularity, PerTensor
 from coreai_opt.quantization.spec.registry import Registry
 
@@ -118,7 +121,10 @@ class RangeCalculatorBase(nn.Module):
         raise NotImplementedError
 
     def all_reduce(self, group: object | None = None) -> None:
-        """Merge statistics across the ranks of ``group`` so that every rank holds the same result."""
+        """Merge statistics across the ranks of ``group`` so that every rank holds the same result.
+
+        Every rank of ``group`` calls it, also a rank that saw no data (it contributes neutral elements).
+        """
         raise NotImplementedError
 
     def _warn_non_finite(self) -> None:
@@ -141,7 +147,7 @@ class MinMaxRangeCalculator(RangeCalculatorBase):
 
     ``min_val[r] = min_j rows[r, j]`` and ``max_val[r] = max_j rows[r, j]`` over finite values.
     Accumulation across batches (running min/max, EMA) is the qparams calculator's job.
-    Across ranks the result is the elementwise min of mins and max of maxes.
+    Across ranks (:meth:`all_reduce`) the result is ``min_val = MIN_r min_val_r``, ``max_val = MAX_r max_val_r``.
     """
 
     def __init__(self, granularity: Granularity | None = None) -> None:
@@ -171,11 +177,24 @@ class MinMaxRangeCalculator(RangeCalculatorBase):
     def has_statistics(self) -> bool:  # noqa: D102
         return self.min_val.numel() > 0 and bool(torch.isfinite(self.min_val).any())
 
-    def all_reduce(self, group: object | None = None) -> None:  # noqa: D102
-        import torch.distributed as dist
+    def all_reduce(self, group: object | None = None) -> None:
+        """``min_val = MIN_r min_val_r``, ``max_val = MAX_r max_val_r`` elementwise over the ranks of ``group``.
 
-        dist.all_reduce(self.min_val, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(self.max_val, op=dist.ReduceOp.MAX, group=group)
+        Collectives: the shape agreement, then one MIN and one MAX. A rank that observed nothing adopts the
+        agreed shape and contributes ``+inf`` / ``-inf``; when no rank observed anything nothing changes.
+
+        Raises:
+            ValueError: on every rank, when ranks observed different qparam shapes.
+        """
+        local = tuple(self.min_val.shape) if self.min_val.numel() > 0 else None
+        shape = agree_shape(local, group, what=self.name)
+        if shape is None:
+            return
+        if local is None:
+            self.min_val = torch.full(shape, float("inf"), device=self.min_val.device)
+            self.max_val = torch.full(shape, float("-inf"), device=self.max_val.device)
+        self.min_val = all_reduce(self.min_val, "min", group)
+        self.max_val = all_reduce(self.max_val, "max", group)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # noqa: D102, ANN001
         # Buffers are shaped by the first observed tensor: adopt the saved shapes before copying.
