@@ -25,7 +25,7 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from coreai_opt.api._state import commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.api._state import commit_weight_qparams, fake_quantizers, graph_meta, weight_quantizer_inputs
 from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
 
 __all__ = ["calibrate"]
@@ -109,10 +109,14 @@ def calibrate(
         raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
     quantizers = [fq for _, fq in fake_quantizers(prepared)]
     saved = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for fq in quantizers]
+    # Weights are constants during PTQ: their quantizers are committed once from the weights after the loop
+    # instead of re-scanning every weight on every batch.
+    weight_ids = {id(fq) for fq, _ in weight_quantizer_inputs(prepared)}
+    activation_quantizers = [fq for fq in quantizers if id(fq) not in weight_ids]
     was_training = prepared.training
     for fq in quantizers:
         fq.calculator.reset_statistics()
-        fq.enable_observer(True)
+        fq.enable_observer(id(fq) not in weight_ids)
         fq.enable_fake_quant(False)
     prepared.eval()
     count = 0
@@ -135,7 +139,7 @@ def calibrate(
                 syncer.after_batch()
         if syncer.total_batches == 0:  # no rank had data (one empty rank of several is fine)
             raise ValueError("calibration data is empty: pass an iterable with at least one batch")
-        for fq in quantizers:
+        for fq in activation_quantizers:
             fq.commit()
         commit_weight_qparams(prepared)
     finally:

@@ -93,3 +93,24 @@ def test_calibrate_sync_modes_without_distributed_are_accepted_and_validated():
 def test_calibrate_rejects_models_not_from_prepare():
     with pytest.raises(TypeError, match=r"coreai_opt.prepare"):
         calibrate(nn.Linear(2, 2), [torch.randn(1, 2)])
+
+
+def test_calibrate_observes_each_weight_once_not_on_every_batch():
+    from coreai_opt.api._state import weight_quantizer_inputs
+
+    model, example, batches = build("resnet18")
+    prepared = prepare(model, QuantizerConfig.presets.w8a8(), example)
+    weight_fqs = [fq for fq, _ in weight_quantizer_inputs(prepared)]
+    calls = {id(fq.calculator): 0 for fq in weight_fqs}
+    for fq in weight_fqs:
+        original = fq.calculator.observe
+
+        def counting(x, _calc=fq.calculator, _orig=original):
+            calls[id(_calc)] += 1
+            return _orig(x)
+
+        fq.calculator.observe = counting
+    before = [fq.calculator.scale.clone() for fq in weight_fqs]
+    calibrate(prepared, batches, progress=False)
+    assert len(weight_fqs) == 21 and set(calls.values()) == {1}  # committed once from the weight, not per batch
+    assert all(torch.equal(b, fq.calculator.scale) for b, fq in zip(before, weight_fqs, strict=True))
