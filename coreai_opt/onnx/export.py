@@ -3,7 +3,8 @@
 Recipe: check the model is converted -> pick the opset from its quantizers (:mod:`coreai_opt.onnx.opset`) ->
 ``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> store constant
 weights quantized (:mod:`coreai_opt.onnx.fold_quantized_weights`) -> store transposed weights transposed
-(:mod:`coreai_opt.onnx.transpose_weights`) -> keep only the ``namespace`` entry of the
+(:mod:`coreai_opt.onnx.transpose_weights`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
+QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep only the ``namespace`` entry of the
 exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.save`).
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
+from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import select_opset
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
@@ -215,6 +217,7 @@ def export_onnx(
         _check_batch_is_dynamic(model_proto, inputs)
     fold_quantized_weights(model_proto)
     transpose_dequantized_weights(model_proto)
+    guard_float8_activations(model_proto)
     _strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)
     return path
