@@ -2,7 +2,8 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → annotate → insert_quantizers
+    capture → classify_ops → functionalize_weights → fold_batchnorm → flatten_linear_inputs → annotate
+    → insert_quantizers
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
+from coreai_opt.passes.flatten_linear_inputs import flatten_linear_inputs
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
@@ -42,6 +44,19 @@ def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         if isinstance(value, torch.Tensor):
             specs.append({"name": name, "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)})
     return specs
+
+
+def _dynamic_input(config: QuantizerConfig) -> Callable[[fx.Node], str | None]:
+    """``flatten_linear_inputs`` callback: keep linears with a dynamic activation quantizer as ``MatMul``."""
+
+    def keep(node: fx.Node) -> str | None:
+        meta = node.meta[META_KEY]
+        act = config.resolve(meta.kind.value, meta.module_name, meta.module_type).activation
+        if act is not None and act.qparams_calculator == "dynamic":
+            return "dynamic activation quantizer (DynamicQuantizeMatMul needs MatMul)"
+        return None
+
+    return keep
 
 
 def prepare(
@@ -89,6 +104,19 @@ def prepare(
             f"config must be a coreai_opt.QuantizerConfig (e.g. QuantizerConfig.presets.w8a8()), got "
             f"{type(config).__name__}; build one with QuantizerConfig.from_dict(...) if you have a dict"
         )
+    meta_tensors = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta_tensors:
+        raise ValueError(
+            f"{type(model).__name__} has tensors on the 'meta' device (e.g. {meta_tensors[0]!r}), which hold no "
+            "values to quantize; materialize the weights first (model.to_empty(device='cpu') and load a state_dict)"
+        )
+    if model.training and not qat:
+        warnings.warn(
+            f"{type(model).__name__} is in train mode; post-training quantization captures and calibrates it in eval "
+            "mode (BatchNorm running statistics, no dropout). Call model.eval() first, or pass qat=True for QAT.",
+            UserWarning,
+            stacklevel=2,
+        )
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
                        concrete_args=concrete_args)
@@ -96,6 +124,7 @@ def prepare(
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
         gm = fold_batchnorm(gm).graph_module
+    gm = flatten_linear_inputs(gm, keep=_dynamic_input(config)).graph_module  # 2-D linears export as Gemm
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module

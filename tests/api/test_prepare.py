@@ -134,3 +134,18 @@ def test_prepare_graph_meta_follows_the_contract():
     assert meta["capture"] == "fx" and meta["converted"] is False and meta["input_names"] == ["tokens"]
     assert meta["config"] == cfg.to_dict()
     assert meta["input_specs"] == [{"name": "tokens", "dtype": "int64", "shape": [2, 12]}]
+
+
+def test_prepare_warns_when_a_train_mode_model_is_prepared_for_ptq():
+    model, example, _ = build("conv1d_groupnorm")
+    model.train()
+    with pytest.warns(UserWarning, match=r"Conv1dGroupNorm is in train mode.*model.eval\(\).*qat=True"):
+        prepared = prepare(model, QuantizerConfig.presets.w8a8(), example)
+    assert not prepared.training and model.training  # the user's model keeps its mode
+
+
+def test_prepare_rejects_a_model_with_meta_tensors_naming_one():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"tensors on the 'meta' device \(e.g. '0.weight'\).*to_empty"):
+        prepare(model.eval(), QuantizerConfig.presets.w8a8(), (torch.randn(1, 4),))

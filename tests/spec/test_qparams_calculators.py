@@ -433,3 +433,19 @@ def test_histogram_static_sync_equals_single_process_with_an_empty_rank(monkeypa
     for calc in calcs:
         assert torch.equal(calc.range_calculator.histogram.counts, whole.range_calculator.histogram.counts)
         assert torch.equal(calc.commit().scale, whole.commit().scale)
+
+
+@pytest.mark.parametrize("key", ["global_minmax", "moving_average"])
+def test_running_calculator_ignores_an_all_nan_batch_with_a_warning(key):
+    spec = QuantizationSpec(dtype="uint8", qscheme="asymmetric", qparams_calculator=key)
+    clean = QPARAMS_CALCULATORS.get_class(key).from_spec(spec)
+    dirty = QPARAMS_CALCULATORS.get_class(key).from_spec(spec)
+    x = torch.linspace(-1.0, 3.0, 17)
+    clean.observe(x)
+    clean.observe(x * 2)
+    dirty.observe(x)
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        dirty.observe(torch.full((5,), float("nan")))
+    dirty.observe(x * 2)
+    assert torch.equal(clean.commit().scale, dirty.commit().scale)
+    assert torch.equal(clean.zero_point, dirty.zero_point)

@@ -88,6 +88,8 @@ class _RunningRangeQParamsCalculator(StatefulQParamsCalculatorBase):
             return
         self.range_calculator.update(x)
         self.batches_since_sync += 1
+        if not self.range_calculator.has_statistics:  # no finite value at all (warned): the batch adds nothing
+            return
         batch_min, batch_max = self.range_calculator.compute_range()
         if self.running_min.numel() == 0:
             self.running_min = torch.full_like(batch_min, float("inf"))

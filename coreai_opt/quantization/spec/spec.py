@@ -81,6 +81,17 @@ class QuantizationSpec(BaseModel):
     fake_quantize: str = "default"
 
     # ----------------------------------------------------------------------------------- field validators
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(
+                    f"unknown QuantizationSpec field(s) {unknown}; valid fields are: {', '.join(cls.model_fields)}"
+                )
+        return data
+
     @field_validator("dtype", mode="before")
     @classmethod
     def _normalise_dtype(cls, value: Any) -> str:
