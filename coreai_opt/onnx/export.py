@@ -158,6 +158,17 @@ def _dynamo_export(
     )
 
 
+def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Refuse bfloat16: onnxruntime's CPU provider has no bfloat16 Conv/Gemm/MatMul kernels to run it."""
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
+    if any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors):
+        raise ValueError(
+            "the model or its example inputs are bfloat16, and onnxruntime's CPU provider has no bfloat16 "
+            "Conv/Gemm/MatMul kernels; export a float32 or float16 copy instead (e.g. model.float() and "
+            "float32 example inputs), which keeps the float32 qparams"
+        )
+
+
 def export_onnx(
     model: nn.Module,
     example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
@@ -206,6 +217,7 @@ def export_onnx(
     path = check_output_path(path)
     quantizers = converted_quantizers(model)
     inputs = _as_input_tuple(example_inputs)
+    _refuse_bfloat16(model, inputs)
     chosen_opset = select_opset(quantizer_uses(quantizers), opset)
     in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
     num_outputs = _count_outputs(model, inputs)

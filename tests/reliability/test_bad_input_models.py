@@ -215,3 +215,13 @@ def test_saved_qparams_load_onto_the_device_of_the_model(cnn_pipeline) -> None: 
     fresh.load_state_dict({k: torch.empty_like(v, device="cpu") for k, v in state.items()}, strict=True)
     assert all(t.device.type == "cpu" for t in fresh.state_dict().values())
     assert {k: tuple(v.shape) for k, v in fresh.state_dict().items()} == {k: tuple(v.shape) for k, v in state.items()}
+
+
+def test_bfloat16_model_export_is_refused_with_the_fix(tmp_path) -> None:  # noqa: ANN001
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval().to(torch.bfloat16)
+    x = torch.randn(16, 4).to(torch.bfloat16)
+    prepared = co.prepare(model, W8A8(), (x,))
+    co.calibrate(prepared, [x], progress=False)
+    with pytest.raises(ValueError, match=r"bfloat16.*no bfloat16 Conv/Gemm/MatMul kernels.*model.float\(\)"):
+        co.export_onnx(co.convert(prepared), (x,), tmp_path / "bf16.onnx")
+    assert not (tmp_path / "bf16.onnx").exists()
