@@ -85,6 +85,8 @@ def render(sections: Sequence[SectionResult], command: str, started: dt.datetime
         out += [f"## {s.title}", "", f"_Section time: {s.seconds:.0f} s._", ""]
         for table in s.tables:
             out += _table_md(table)
+        if s.body:
+            out += [s.body.rstrip(), ""]
         out += [f"- {note}" for note in s.notes]
         if s.notes:
             out.append("")

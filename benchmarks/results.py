@@ -34,6 +34,7 @@ class SectionResult:
     losses: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    body: str = ""  # extra markdown rendered after the tables (sections that build their own tables)
 
 
 @dataclass(frozen=True)

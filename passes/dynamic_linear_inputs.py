@@ -16,11 +16,12 @@ is exact, and the exported ``DequantizeLinear`` then feeds the ``MatMul`` direct
 
 from __future__ import annotations
 
+from torch.fx import GraphModule, Node
+
 from coreai_opt.passes.node_meta import META_KEY as _META
 from coreai_opt.passes.node_meta import copy_provenance, get_meta
 from coreai_opt.passes.op_kinds import MOVER_KINDS, OpKind
 from coreai_opt.passes.pass_result import PassResult
-from torch.fx import GraphModule, Node
 
 __all__ = ["dynamic_linear_inputs"]
 

@@ -2,7 +2,8 @@
 
 Recipe: check the model is converted -> pick the opset from its quantizers (:mod:`coreai_opt.onnx.opset`) ->
 ``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> store constant
-weights quantized (:mod:`coreai_opt.onnx.fold_quantized_weights`) -> store transposed weights transposed
+weights quantized (:mod:`coreai_opt.onnx.fold_quantized_weights`) -> turn dynamic activation quantizers in front of
+int8 weights into MatMulInteger (:mod:`coreai_opt.onnx.dynamic_matmul`) -> store transposed weights transposed
 (:mod:`coreai_opt.onnx.transpose_weights`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
 QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep only the ``namespace`` entry of the
 exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.save`).
@@ -20,12 +21,14 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
 from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
 from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import select_opset
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.onnx.transpose_weights import transpose_dequantized_weights
+from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize_translation_table
 
 __all__ = ["export_onnx", "BATCH_DIM_NAME"]
@@ -149,7 +152,10 @@ def _dynamo_export(
         inputs,
         dynamo=True,
         opset_version=opset,
-        custom_translation_table=quantize_dequantize_translation_table(opset),
+        custom_translation_table={
+            **quantize_dequantize_translation_table(opset),
+            **dynamic_quantize_dequantize_translation_table(opset),
+        },
         dynamic_shapes=_dynamic_shapes(inputs, dynamic_batch),
         input_names=input_names,
         output_names=output_names,
@@ -228,6 +234,7 @@ def export_onnx(
     if dynamic_batch:
         _check_batch_is_dynamic(model_proto, inputs)
     fold_quantized_weights(model_proto)
+    fuse_dynamic_matmuls(model_proto)
     transpose_dequantized_weights(model_proto)
     guard_float8_activations(model_proto)
     _strip_debug_metadata(model_proto)

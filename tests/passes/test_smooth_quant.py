@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from coreai_opt.passes.capture import capture
 from coreai_opt.passes.smooth_quant import apply_smoothing, find_sites
-
 from coreai_opt.reference_models import transformer_encoder
 
 

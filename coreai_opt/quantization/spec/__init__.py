@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from coreai_opt.quantization.spec.bias_fake_quantize import BiasFakeQuantize
 from coreai_opt.quantization.spec.dtypes import SUPPORTED_DTYPES, QuantDtype, get_dtype_info
+from coreai_opt.quantization.spec.dynamic_fake_quantize import DynamicFakeQuantize, dynamic_activation_spec
+from coreai_opt.quantization.spec.dynamic_quantize_op import (
+    dynamic_quantize_dequantize,
+    dynamic_quantize_dequantize_translation_table,
+)
 from coreai_opt.quantization.spec.entropy_range_calculator import EntropyRangeCalculator
 from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE, FakeQuantize
 from coreai_opt.quantization.spec.granularity import (
@@ -48,6 +53,7 @@ from coreai_opt.quantization.spec.spec import QuantizationSpec
 
 __all__ = [
     "BiasFakeQuantize",
+    "DynamicFakeQuantize",
     "DynamicQParamsCalculator",
     "EntropyRangeCalculator",
     "FAKE_QUANTIZE",
@@ -79,6 +85,9 @@ __all__ = [
     "StatelessQParamsCalculatorBase",
     "StaticQParamsCalculator",
     "compute_qparams",
+    "dynamic_activation_spec",
+    "dynamic_quantize_dequantize",
+    "dynamic_quantize_dequantize_translation_table",
     "get_dtype_info",
     "granularity_from_dict",
     "quant_range",

@@ -1,0 +1,93 @@
+"""Per-channel activation statistics of the inputs of every ``nn.Linear``: outlier analysis and SmoothQuant input.
+
+``input_absmax(model, data)`` runs float batches through ``model`` with forward pre-hooks and keeps, for every
+linear layer, ``max|X_j|`` over all tokens for each input channel ``j`` (a ``(in_features,)`` tensor).
+``outlier_table(stats)`` summarises each layer: the largest channel maximum, the median one, their ratio
+(how much of the per-tensor int8 range one channel wastes) and the top channels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LayerOutliers", "input_absmax", "outlier_rows", "outlier_table"]
+
+
+def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(batch, Tensor):
+        return (batch,), {}
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    return tuple(batch), {}
+
+
+def input_absmax(model: nn.Module, data: Iterable[Any]) -> dict[str, Tensor]:
+    """``{linear module name: max|X_j| per input channel}`` over every token of ``data`` (float model).
+
+    Raises:
+        ValueError: no batch, or the model has no ``nn.Linear`` that was called.
+    """
+    stats: dict[str, Tensor] = {}
+    hooks = []
+
+    def hook(name: str):  # noqa: ANN202
+        def record(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach().float()
+            amax = x.reshape(-1, x.shape[-1]).abs().amax(dim=0)
+            stats[name] = amax if name not in stats else torch.maximum(stats[name], amax)
+        return record
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            hooks.append(module.register_forward_pre_hook(hook(name)))
+    count = 0
+    try:
+        with torch.no_grad():
+            for batch in data:
+                args, kwargs = _as_call(batch)
+                model(*args, **kwargs)
+                count += 1
+    finally:
+        for h in hooks:
+            h.remove()
+    if count == 0:
+        raise ValueError("input_absmax needs at least one batch of data")
+    if not stats:
+        raise ValueError(f"{type(model).__name__} called no torch.nn.Linear; nothing to measure")
+    return stats
+
+
+@dataclass(frozen=True)
+class LayerOutliers:
+    """Outlier summary of one linear layer's input."""
+
+    layer: str
+    max_abs: float
+    median_channel_max: float
+    ratio: float
+    top_channels: tuple[int, ...]
+
+
+def outlier_rows(stats: dict[str, Tensor], top: int = 3) -> list[LayerOutliers]:
+    """One :class:`LayerOutliers` per layer, largest ratio first."""
+    rows = []
+    for name, amax in stats.items():
+        median = float(amax.median())
+        rows.append(LayerOutliers(name, float(amax.max()), median, float(amax.max()) / max(median, 1e-12),
+                                  tuple(int(i) for i in torch.argsort(amax, descending=True)[:top])))
+    rows.sort(key=lambda r: r.ratio, reverse=True)
+    return rows
+
+
+def outlier_table(stats: dict[str, Tensor], top: int = 3) -> str:
+    """Markdown table of :func:`outlier_rows`."""
+    lines = ["| layer (input of) | max abs | median channel max | ratio | top channels |", "|---|---:|---:|---:|---|"]
+    for r in outlier_rows(stats, top):
+        lines.append(f"| `{r.layer}` | {r.max_abs:.2f} | {r.median_channel_max:.3f} | {r.ratio:.1f} | "
+                     f"{', '.join(map(str, r.top_channels))} |")
+    return "\n".join(lines)

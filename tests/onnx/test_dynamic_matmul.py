@@ -1,0 +1,66 @@
+"""fuse_dynamic_matmuls: DynamicQuantizeLinear -> DQ -> MatMul(DQ(int8 W)) becomes onnxruntime DynamicQuantizeMatMul."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
+from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize
+
+K, N = 32, 24
+
+
+def _model(weight_zero: int = 0, transposed: bool = True) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w = rng.integers(-127, 128, (N, K) if transposed else (K, N)).astype(np.int8)
+    scale = (rng.random(N).astype(np.float32) + 0.5) / 50
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(scale, "ws"),
+             numpy_helper.from_array(np.full(N, weight_zero, np.int8), "wz"),
+             numpy_helper.from_array(rng.random(N).astype(np.float32), "b")]
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["W", "ws", "wz"], ["wd"], axis=0 if transposed else 1)]
+    if transposed:
+        nodes.append(helper.make_node("Transpose", ["wd"], ["wt"], perm=[1, 0]))
+    nodes += [helper.make_node("MatMul", ["xd", "wt" if transposed else "wd"], ["mm"]),
+              helper.make_node("Add", ["mm", "b"], ["y"]),
+              helper.make_node("Relu", ["xd"], ["r"])]  # a second, non-matmul consumer of the DQ output
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, N]),
+                               helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 5, K])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray, tmp_path, name: str) -> tuple[list[np.ndarray], list[str]]:
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / f"{name}.opt.onnx")
+    sess = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    outs = sess.run(None, {"x": x})
+    return outs, [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_rewrite_fuses_and_keeps_values(tmp_path, transposed: bool) -> None:
+    x = np.random.default_rng(1).standard_normal((2, 5, K)).astype(np.float32) * 3
+    model = _model(transposed=transposed)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    x_dq = dynamic_quantize_dequantize(torch.from_numpy(x)).double().numpy()
+    w = inits["W"].astype(np.float64) * (inits["ws"][:, None] if transposed else inits["ws"][None, :])
+    reference = [x_dq @ (w.T if transposed else w) + inits["b"], np.maximum(x_dq, 0)]
+    assert fuse_dynamic_matmuls(model) == 1
+    onnx.checker.check_model(model)
+    outs, ops = _run(model, x, tmp_path, "fused")
+    assert "DynamicQuantizeMatMul" in ops or "MatMulIntegerToFloat" in ops
+    np.testing.assert_allclose(outs[0], reference[0], rtol=1e-5, atol=1e-4)  # float32 summation order only
+    np.testing.assert_array_equal(outs[1], reference[1].astype(np.float32))  # other consumer reads the DQ
+
+
+def test_nonzero_weight_zero_point_is_left_alone() -> None:
+    model = _model(weight_zero=3)
+    assert fuse_dynamic_matmuls(model) == 0
+    assert "MatMul" in [n.op_type for n in model.graph.node]
