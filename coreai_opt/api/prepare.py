@@ -2,8 +2,7 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → flatten_linear_inputs → annotate
-    → insert_quantizers
+    capture → classify_ops → functionalize_weights → fold_batchnorm → annotate → insert_quantizers
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -16,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +27,6 @@ from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
-from coreai_opt.passes.flatten_linear_inputs import flatten_linear_inputs
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
@@ -44,19 +42,6 @@ def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         if isinstance(value, torch.Tensor):
             specs.append({"name": name, "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)})
     return specs
-
-
-def _dynamic_input(config: QuantizerConfig) -> Callable[[fx.Node], str | None]:
-    """``flatten_linear_inputs`` callback: keep linears with a dynamic activation quantizer as ``MatMul``."""
-
-    def keep(node: fx.Node) -> str | None:
-        meta = node.meta[META_KEY]
-        act = config.resolve(meta.kind.value, meta.module_name, meta.module_type).activation
-        if act is not None and act.qparams_calculator == "dynamic":
-            return "dynamic activation quantizer (DynamicQuantizeMatMul needs MatMul)"
-        return None
-
-    return keep
 
 
 def prepare(
@@ -124,7 +109,6 @@ def prepare(
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
         gm = fold_batchnorm(gm).graph_module
-    gm = flatten_linear_inputs(gm, keep=_dynamic_input(config)).graph_module  # 2-D linears export as Gemm
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
