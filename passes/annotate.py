@@ -163,6 +163,7 @@ class _Matcher:
         self.int32_bias, self.fixed_range_outputs = int32_bias, fixed_range_outputs
         self.block_fallback = block_fallback
         self.errors: list[str] = []
+        self.error_kinds: set[str] = set()  # "block" (block size does not divide) / "axis" (axis out of range)
         self.fallbacks: list[str] = []
         self.fused: dict[Node, QuantSpec] = {}
 
@@ -182,6 +183,7 @@ class _Matcher:
                 self.fallbacks.append(f"{_label(op)} weight {tuple(shape)}")
                 return QuantSpec(per_channel, Role.WEIGHT)
             self.errors.append(f"{_label(op)} weight {tuple(shape)}: {exc}")
+            self.error_kinds.add("block" if "does not divide" in str(exc) else "axis")
             return None
         return QuantSpec(mapped, Role.WEIGHT)
 
@@ -312,9 +314,15 @@ def annotate(
             stacklevel=3,
         )
     if matcher.errors:
+        fixes = {
+            "block": "pick a block size that divides these dimensions (or set the config's "
+            "per_block_fallback='per_channel')",
+            "axis": "pick a granularity axis within the weight's rank (axis 0 = output channels)",
+        }
+        fix = "; ".join(fixes[k] for k in ("block", "axis") if k in matcher.error_kinds)
         raise ValueError(
             "weight granularity does not fit:\n  " + "\n  ".join(matcher.errors)
-            + "\nFix: pick a block size that divides these dimensions, or override the listed modules with "
+            + f"\nFix: {fix}, or override the listed modules with "
             "config.set_module_name(<name regex>, OpConfig(weight=<per-channel spec>))."
         )
     return PassResult(gm, changes)

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from coreai_opt.passes.node_meta import META_KEY, NodeMeta, set_meta
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
+
+from coreai_opt.passes.node_meta import META_KEY, NodeMeta, set_meta
 
 __all__ = ["capture", "CaptureError"]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from torch.fx import GraphModule
+
 from coreai_opt.passes.node_meta import get_meta, set_meta
 from coreai_opt.passes.op_kinds import lookup_op
 from coreai_opt.passes.pass_result import PassResult
-from torch.fx import GraphModule
 
 __all__ = ["classify_ops"]
 

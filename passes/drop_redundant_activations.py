@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 
 import torch
-from coreai_opt.passes.node_meta import get_meta
-from coreai_opt.passes.op_kinds import OpKind
-from coreai_opt.passes.pass_result import PassResult
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.node_meta import get_meta
+from coreai_opt.passes.op_kinds import OpKind
+from coreai_opt.passes.pass_result import PassResult
 from coreai_opt.quantization.spec import FakeQuantize, PerTensor
 
 __all__ = ["drop_redundant_activations"]

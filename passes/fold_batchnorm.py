@@ -25,11 +25,12 @@ import operator
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
 from coreai_opt.passes.node_meta import get_meta, set_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.passes.pass_result import PassResult
-from torch import nn
-from torch.fx import GraphModule, Node
 
 __all__ = ["fold_batchnorm"]
 

@@ -19,11 +19,12 @@ from dataclasses import replace
 from typing import Any
 
 import torch.nn.functional as F
+from torch import nn
+from torch.fx import GraphModule, Node
+
 from coreai_opt.passes.node_meta import NodeMeta, copy_provenance, get_meta, set_meta
 from coreai_opt.passes.op_kinds import OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
-from torch import nn
-from torch.fx import GraphModule, Node
 
 __all__ = ["functionalize_weights"]
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from torch.fx import GraphModule, Node
+
 from coreai_opt.passes.node_meta import (
     DerivedSpec,
     NodeMeta,
@@ -34,8 +36,6 @@ from coreai_opt.passes.node_meta import (
 )
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.passes.pass_result import PassResult
-from torch.fx import GraphModule, Node
-
 from coreai_opt.quantization.spec import (
     FAKE_QUANTIZE,
     BiasFakeQuantize,
@@ -178,7 +178,7 @@ def insert_quantizers(gm: GraphModule) -> PassResult:
             changes += 1
         quantizer_of[root] = name
     for bias, op, derived in biases:
-        changes += _insert_bias(gm, bias, op, derived, groups, quantizer_of)
+        changes += _insert_bias(gm, bias, op, derived, groups, quantizer_of, used)
     for node in gm.graph.nodes:
         meta = get_meta(node)
         if meta.annotation is not None:
@@ -197,9 +197,19 @@ def _tensor_shape(gm: GraphModule, node: Node) -> tuple[int, ...] | None:
 
 
 def _insert_bias(
-    gm: GraphModule, bias: Node, op: Node, derived: DerivedSpec, groups: _UnionFind, quantizer_of: dict[Node, str]
+    gm: GraphModule,
+    bias: Node,
+    op: Node,
+    derived: DerivedSpec,
+    groups: _UnionFind,
+    quantizer_of: dict[Node, str],
+    used: set[str],
 ) -> int:
-    """Insert the int32 bias quantizer of ``op``; record a reason and return 0 when it cannot be derived."""
+    """Insert the int32 bias quantizer of ``op``; record a reason and return 0 when it cannot be derived.
+
+    A module called at several sites gets one bias quantizer per call, numbered like the other quantizers
+    (``l.bias``, ``l[1].bias``, ...); ``used`` holds the names taken so far and is updated.
+    """
     names = [quantizer_of.get(groups.find(n)) for n in derived.derived_from]
     reason = None
     if None in names:
@@ -217,6 +227,11 @@ def _insert_bias(
         set_meta(op, replace(meta, float_reason=f"{meta.float_reason}; {reason}" if meta.float_reason else reason))
         return 0
     serves = str(bias.target)
+    if serves in used:  # a module called at several sites: number the call sites (l.bias, l[1].bias, ...)
+        stem, _, tail = serves.rpartition(".")
+        k = sum(u.startswith(f"{stem}[") and u.endswith(f"].{tail}") for u in used) + 1
+        serves = f"{stem}[{k}].{tail}"
+    used.add(serves)
     name = _attr_name(gm, serves.removesuffix(".bias") if serves.endswith(".bias") else serves, Role.BIAS)
     bq = BiasFakeQuantize()
     bq.set_name(serves)

@@ -21,9 +21,9 @@ from enum import Enum
 from typing import Any
 
 import torch
-from coreai_opt.passes.op_kinds import OpKind
 from torch.fx import Node
 
+from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec.spec import QuantizationSpec
 
 __all__ = [

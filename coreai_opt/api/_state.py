@@ -8,9 +8,9 @@ import torch
 from torch import fx, nn
 
 from coreai_opt.passes.node_meta import META_KEY, Role, get_meta
-from coreai_opt.quantization.spec import FakeQuantize, StatefulQParamsCalculatorBase
+from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, StatefulQParamsCalculatorBase
 
-__all__ = ["graph_meta", "fake_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
+__all__ = ["graph_meta", "fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
 
 
 def graph_meta(model: object, caller: str) -> dict[str, Any]:
@@ -27,6 +27,11 @@ def graph_meta(model: object, caller: str) -> dict[str, Any]:
 def fake_quantizers(model: nn.Module) -> list[tuple[str, FakeQuantize]]:
     """All FakeQuantize submodules with their names, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, FakeQuantize)]
+
+
+def bias_quantizers(model: nn.Module) -> list[tuple[str, BiasFakeQuantize]]:
+    """All BiasFakeQuantize submodules (derived int32 biases) with their names, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, BiasFakeQuantize)]
 
 
 def weight_quantizer_inputs(gm: fx.GraphModule) -> list[tuple[FakeQuantize, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """``calibrate``: run data through a prepared model to compute activation qparams.
 
 Calibration is a scoped state: on entry every quantizer's statistics are reset (so the capture example does
-not bias them), observers are switched on and fake quantization off, the model is put in eval mode and
+not bias them), observers are switched on and fake quantization off (including the int32 bias quantizers,
+whose derived scale needs the input scale being calibrated), the model is put in eval mode and
 autograd is disabled. Each batch only *observes* (cheap); on a clean exit every quantizer commits its qparams
 (``FakeQuantize.commit()``), weight qparams are recomputed from the weights, and the previous mode and flags
 are restored.
@@ -25,7 +26,13 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from coreai_opt.api._state import commit_weight_qparams, fake_quantizers, graph_meta, weight_quantizer_inputs
+from coreai_opt.api._state import (
+    bias_quantizers,
+    commit_weight_qparams,
+    fake_quantizers,
+    graph_meta,
+    weight_quantizer_inputs,
+)
 from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
 
 __all__ = ["calibrate"]
@@ -46,7 +53,18 @@ def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     specs = meta.get("input_specs", [])
-    names = meta.get("input_names", [])
+    names = list(meta.get("input_names", []))
+    if names and len(args) > len(names):
+        raise ValueError(
+            f"calibration batch has {len(args)} positional inputs but the model takes {len(names)} "
+            f"({', '.join(names)}); pass batches like the example inputs given to prepare"
+        )
+    unknown = [key for key in kwargs if key not in names] if names else []
+    if unknown:
+        raise ValueError(
+            f"calibration batch has unknown keyword input(s) {', '.join(map(repr, unknown))}; the model's inputs "
+            f"are {', '.join(names)}; use those names as dict keys"
+        )
     given = dict(zip(names, args, strict=False)) | kwargs
     strict_shape = meta.get("capture") == "export"
     for spec in specs:
@@ -109,6 +127,8 @@ def calibrate(
         raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
     quantizers = [fq for _, fq in fake_quantizers(prepared)]
     saved = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for fq in quantizers]
+    biases = [bq for _, bq in bias_quantizers(prepared)]
+    saved_biases = [bq.fake_quant_enabled for bq in biases]
     # Weights are constants during PTQ: their quantizers are committed once from the weights after the loop
     # instead of re-scanning every weight on every batch.
     weight_ids = {id(fq) for fq, _ in weight_quantizer_inputs(prepared)}
@@ -118,6 +138,8 @@ def calibrate(
         fq.calculator.reset_statistics()
         fq.enable_observer(id(fq) not in weight_ids)
         fq.enable_fake_quant(False)
+    for bq in biases:  # the input scale is a placeholder / stale until commit: keep the float bias meanwhile
+        bq.enable_fake_quant(False)
     prepared.eval()
     count = 0
     total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
@@ -146,5 +168,7 @@ def calibrate(
         for fq, (observe, fake_quant) in zip(quantizers, saved, strict=True):
             fq.enable_observer(observe)
             fq.enable_fake_quant(fake_quant)
+        for bq, fake_quant in zip(biases, saved_biases, strict=True):
+            bq.enable_fake_quant(fake_quant)
         prepared.train(was_training)
     return prepared

@@ -12,7 +12,7 @@ import copy
 
 from torch import fx
 
-from coreai_opt.api._state import commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers, graph_meta
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
 from coreai_opt.passes.node_meta import META_KEY
 from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
@@ -56,6 +56,8 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         )
     for _, fq in quantizers:
         fq.set_export_mode(True)
+    for _, bq in bias_quantizers(gm):  # frozen like set_export_mode: fake quantization on
+        bq.enable_fake_quant(True)
     gm = drop_redundant_activations(gm).graph_module
     gm.eval()
     gm.meta[META_KEY] = {**meta, "converted": True}

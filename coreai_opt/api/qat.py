@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api._state import bias_quantizers, fake_quantizers
 
 __all__ = ["enable_observers", "enable_fake_quant"]
 
@@ -34,7 +34,12 @@ def enable_observers(model: nn.Module, enabled: bool = True) -> nn.Module:
 
 
 def enable_fake_quant(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Switch fake quantization of every quantizer on or off (off = float model); returns ``model``."""
+    """Switch fake quantization of every quantizer (int32 bias quantizers too) on or off; returns ``model``.
+
+    Off gives the float model.
+    """
     for fq in _quantizers(model, "enable_fake_quant"):
         fq.enable_fake_quant(enabled)
+    for _, bq in bias_quantizers(model):
+        bq.enable_fake_quant(enabled)
     return model

@@ -35,7 +35,9 @@ def test_convert_leaves_prepared_model_unchanged_and_rejects_second_convert():
     code, state = prepared.code, copy.deepcopy(prepared.state_dict())
     converted = convert(prepared)
     assert prepared.code == code and "relu" not in converted.code
-    assert all(torch.equal(v, state[k]) for k, v in prepared.state_dict().items())
+    # tensors, and each quantizer's spec (its ``_extra_state`` dict)
+    assert all(torch.equal(v, state[k]) if isinstance(v, torch.Tensor) else v == state[k]
+               for k, v in prepared.state_dict().items())
     assert not any(fq.export_mode for _, fq in fake_quantizers(prepared))
     with pytest.raises(ValueError, match="already converted"):
         convert(converted)

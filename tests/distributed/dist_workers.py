@@ -75,7 +75,8 @@ def commit(bank: nn.ModuleDict) -> None:
 
 
 def snapshot(module: nn.Module) -> dict[str, Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    """The module's tensor state (without the quantizers' ``_extra_state`` spec dicts)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items() if isinstance(v, Tensor)}
 
 
 def shard_indices(spec: list[int], rank: int) -> list[int]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -97,3 +98,15 @@ def test_verify_onnx_rejects_bad_inputs(mlp: tuple[nn.Module, Path], tmp_path: P
         verify_onnx(model, path, [torch.randn(1, 64), "text"])
     with pytest.raises(TypeError, match="converted torch.nn.Module"):
         verify_onnx("model", path, torch.randn(1, 64))  # type: ignore[arg-type]
+
+
+def test_compare_counts_a_flip_inside_the_tolerance_as_a_near_tie_and_fails_a_decisive_flip():
+    from coreai_opt.onnx.verify import _compare
+
+    ref = np.array([[1.0, 0.999, -1.0], [2.0, 0.0, -1.0]], dtype=np.float32)
+    near_tie = np.array([[0.998, 0.9995, -1.0], [2.0, 0.0, -1.0]], dtype=np.float32)  # row 0 margin 0.001
+    result = _compare("logits", [ref], [near_tie], None)
+    assert (result.argmax_agreement, result.argmax_flips_within_tolerance, result.ok) == (0.5, 1, True)
+    decisive = np.array([[1.0, 0.999, -1.0], [1.9, 1.95, -1.0]], dtype=np.float32)  # row 1 margin 2.0 flips
+    result = _compare("logits", [ref], [decisive], None)
+    assert (result.argmax_agreement, result.argmax_flips_within_tolerance, result.ok) == (0.5, 0, False)

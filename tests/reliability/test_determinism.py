@@ -31,7 +31,7 @@ torch.save({"prepared": run.prepared.state_dict(), "converted": run.converted.st
 
 def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert list(a) == list(b)
-    different = [k for k in a if not torch.equal(a[k], b[k])]
+    different = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
     assert not different, f"state differs in {different}"
 
 

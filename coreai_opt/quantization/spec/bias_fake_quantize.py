@@ -6,7 +6,9 @@ Backends run ``acc_int32 = Σ q_in · q_w`` and add an int32 bias expressed in t
     s_b = s_in · s_w          (per-tensor, or per-channel along axis 0 when s_w is 1-D)
     y   = clamp(round(b / s_b), −2³¹, 2³¹ − 1) · s_b      (zero point 0)
 
-The module has no state: both scales come from the input and weight quantizers at every call. It uses the
+The module has no tensor state: both scales come from the input and weight quantizers at every call. Like
+``FakeQuantize`` it has a ``fake_quant_enabled`` flag (a plain bool, so export traces no branch on a buffer);
+``calibrate`` switches it off so the bias is not quantized with a placeholder or stale input scale. It uses the
 same ``coreai_opt::quantize_dequantize`` op (dtype ``"int32"``), whose ONNX translation is an INT32 tensor
 feeding ``DequantizeLinear``. No gradient flows to the scales.
 """
@@ -36,13 +38,21 @@ class BiasFakeQuantize(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.name = type(self).__name__
+        self.fake_quant_enabled = True
+
+    def enable_fake_quant(self, enabled: bool = True) -> None:
+        """Switch fake quantization on or off (off: ``forward`` returns the bias unchanged)."""
+        self.fake_quant_enabled = bool(enabled)
+
+    def extra_repr(self) -> str:  # noqa: D102
+        return f"name={self.name!r}, fake_quant_enabled={self.fake_quant_enabled}"
 
     def set_name(self, name: str) -> None:
         """Name this quantizer after the bias it serves, for messages."""
         self.name = name
 
     def forward(self, bias: Tensor, input_scale: Tensor, weight_scale: Tensor) -> Tensor:
-        """Return the int32-fake-quantized bias.
+        """Return the int32-fake-quantized bias (``bias`` itself when fake quantization is off).
 
         Args:
             bias: 1-D bias of length ``C``.
@@ -57,6 +67,8 @@ class BiasFakeQuantize(nn.Module):
                 f"{self.name}: int32 bias needs a per-tensor input scale, got shape {tuple(input_scale.shape)}; "
                 "quantize the layer input per-tensor or leave the bias in float"
             )
+        if not self.fake_quant_enabled:
+            return bias
         if weight_scale.dim() > 1 or (weight_scale.dim() == 1 and weight_scale.shape[0] != bias.shape[0]):
             raise ValueError(
                 f"{self.name}: weight scale of shape {tuple(weight_scale.shape)} cannot scale a bias of shape "

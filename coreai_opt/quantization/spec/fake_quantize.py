@@ -22,7 +22,7 @@ input dtype (in ONNX this appears as Cast nodes around the Q/DQ pair).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +38,33 @@ from coreai_opt.quantization.spec.registry import Registry
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
 
-__all__ = ["FakeQuantize", "FAKE_QUANTIZE"]
+__all__ = ["FakeQuantize", "FAKE_QUANTIZE", "spec_summary"]
+
+_SUMMARY_ALWAYS = ("dtype", "qscheme", "granularity")
+
+
+def _granularity_text(value: Any) -> str:
+    if isinstance(value, dict) and "type" in value:
+        rest = ", ".join(f"{k}={v}" for k, v in value.items() if k != "type")
+        return f"{value['type']}({rest})" if rest else str(value["type"])
+    return str(value)
+
+
+def spec_summary(spec: dict[str, Any], other: dict[str, Any] | None = None) -> str:
+    """A short text of a spec dict: dtype, qscheme, granularity, plus every field that differs from ``other``.
+
+    Example:
+        >>> spec_summary({"dtype": "int8", "qscheme": "symmetric", "granularity": {"type": "per_tensor"}})
+        'int8 symmetric per_tensor'
+    """
+    if not isinstance(spec, dict):
+        return repr(spec)
+    parts = [_granularity_text(spec[k]) if k == "granularity" else str(spec[k]) for k in _SUMMARY_ALWAYS if k in spec]
+    if other is not None:
+        for key in sorted(set(spec) | set(other)):
+            if key not in _SUMMARY_ALWAYS and spec.get(key) != other.get(key):
+                parts.append(f"{key}={spec.get(key, '<unset>')}")
+    return " ".join(parts)
 
 
 class FakeQuantize(nn.Module):
@@ -148,6 +174,25 @@ class FakeQuantize(nn.Module):
         else:
             self.calculator.set_export_mode(False)
         self.export_mode = bool(enabled)
+
+    # --- state_dict: the spec travels with the statistics ---
+    def get_extra_state(self) -> dict[str, Any]:
+        """The spec dict (``QuantizationSpec.to_dict()``), saved as ``<prefix>_extra_state`` in ``state_dict``."""
+        return self.spec.to_dict()
+
+    def set_extra_state(self, state: Any) -> None:
+        """Check that a loaded state was saved by a quantizer with the same spec.
+
+        Raises:
+            ValueError: the saved spec differs from this quantizer's spec (names both).
+        """
+        current = self.spec.to_dict()
+        if state != current:
+            raise ValueError(
+                f"{self.name}: state was saved with {spec_summary(state, current)} but this quantizer is "
+                f"{spec_summary(current, state if isinstance(state, dict) else None)}; prepare with the config "
+                "used when saving (prepared.meta['coreai_opt']['config'])"
+            )
 
     # --- forward ---
     def _fake_quant(self, x: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
