@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
+from coreai_opt.quantization.spec.dtypes import QuantDtype
 from coreai_opt.quantization.spec.granularity import Granularity, QuantizationScheme
-from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram
+from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram, target_format
 from coreai_opt.quantization.spec.qparams_math import quant_range
 from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
 
@@ -138,10 +138,7 @@ class EntropyRangeCalculator(HistogramRangeCalculatorBase):
         qscheme: QuantizationScheme | str = QuantizationScheme.SYMMETRIC,
     ) -> None:
         super().__init__(granularity, num_bins=num_bins)
-        self.dtype_info = dtype if isinstance(dtype, QuantDtype) else get_dtype_info(dtype)
-        self.qscheme = QuantizationScheme(qscheme)
-        if self.dtype_info.is_float and self.qscheme is QuantizationScheme.ASYMMETRIC:
-            raise ValueError(f"dtype {self.dtype_info.name!r} is a float format; use qscheme='symmetric'")
+        self.dtype_info, self.qscheme = target_format(dtype, qscheme)
 
     @classmethod
     def from_spec(cls, spec: QuantizationSpec) -> EntropyRangeCalculator:  # noqa: D102

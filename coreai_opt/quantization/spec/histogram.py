@@ -41,7 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from coreai_opt.quantization.spec.collectives import agree_shape, all_reduce
-from coreai_opt.quantization.spec.granularity import Granularity
+from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
+from coreai_opt.quantization.spec.granularity import Granularity, QuantizationScheme
 from coreai_opt.quantization.spec.range_calculator import RangeCalculatorBase, finite_rows_min_max
 
 if TYPE_CHECKING:
@@ -410,3 +411,18 @@ class HistogramRangeCalculatorBase(RangeCalculatorBase):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
         counts = state_dict.get(prefix + "histogram.counts")
         self._shape_known = counts is not None and counts.dim() == 2 and counts.shape[0] > 0
+
+
+def target_format(
+    dtype: str | torch.dtype | QuantDtype, qscheme: QuantizationScheme | str
+) -> tuple[QuantDtype, QuantizationScheme]:
+    """Resolve the dtype and scheme a histogram calculator optimises its range for (mse, entropy).
+
+    Raises:
+        ValueError: unknown dtype, or a float8 dtype with an asymmetric scheme.
+    """
+    info = dtype if isinstance(dtype, QuantDtype) else get_dtype_info(dtype)
+    scheme = QuantizationScheme(qscheme)
+    if info.is_float and scheme is QuantizationScheme.ASYMMETRIC:
+        raise ValueError(f"dtype {info.name!r} is a float format; use qscheme='symmetric'")
+    return info, scheme

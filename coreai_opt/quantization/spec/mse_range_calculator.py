@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
+from coreai_opt.quantization.spec.dtypes import QuantDtype
 from coreai_opt.quantization.spec.granularity import Granularity, QuantizationScheme
-from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram
+from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram, target_format
 from coreai_opt.quantization.spec.qparams_math import compute_qparams, quant_range
 from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
 
@@ -82,10 +82,7 @@ class MSERangeCalculator(HistogramRangeCalculatorBase):
         min_factor: float = 0.01,
     ) -> None:
         super().__init__(granularity, num_bins=num_bins)
-        self.dtype_info = dtype if isinstance(dtype, QuantDtype) else get_dtype_info(dtype)
-        self.qscheme = QuantizationScheme(qscheme)
-        if self.dtype_info.is_float and self.qscheme is QuantizationScheme.ASYMMETRIC:
-            raise ValueError(f"dtype {self.dtype_info.name!r} is a float format; use qscheme='symmetric'")
+        self.dtype_info, self.qscheme = target_format(dtype, qscheme)
         if isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 2:
             raise ValueError(f"num_candidates={num_candidates!r} must be an int >= 2 (default 100)")
         if not 0.0 < float(min_factor) < 1.0:
