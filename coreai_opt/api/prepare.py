@@ -2,7 +2,8 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → annotate → insert_quantizers
+    capture → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale → annotate →
+    insert_quantizers
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -27,6 +28,7 @@ from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
+from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
@@ -109,6 +111,8 @@ def prepare(
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
         gm = fold_batchnorm(gm).graph_module
+    if config.fold_attention_scale:
+        gm = fold_attention_scale(gm).graph_module
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module

@@ -367,6 +367,9 @@ class QuantizerConfig(BaseModel):
         int32_bias: Quantize conv/linear biases to int32 with scale ``s_in * s_w`` when both the input and the
             weight are quantized.
         fold_batchnorm: Fold BatchNorm into the preceding conv/linear before inserting quantizers.
+        fold_attention_scale: Fold the constant scale of attention scores (``q @ kᵀ / sqrt(d)``) into the
+            query projection's weight and bias, removing a quantize/dequantize/div step per attention block
+            (:mod:`coreai_opt.passes.fold_attention_scale`).
         fixed_range_outputs: sigmoid/softmax outputs use the fixed range [0, 1] and tanh outputs [-1, 1]
             instead of calibrated ranges.
         per_block_fallback: What to do with a per-block weight spec whose block size does not divide the
@@ -392,6 +395,7 @@ class QuantizerConfig(BaseModel):
     module_name: dict[str, OpConfig | None] = Field(default_factory=dict)
     int32_bias: StrictBool = True
     fold_batchnorm: StrictBool = True
+    fold_attention_scale: StrictBool = True
     fixed_range_outputs: StrictBool = True
     per_block_fallback: Literal["error", "per_channel"] = "error"
 
@@ -566,6 +570,7 @@ class QuantizerConfig(BaseModel):
             "module_name": self._level_to_dict(self.module_name),
             "int32_bias": self.int32_bias,
             "fold_batchnorm": self.fold_batchnorm,
+            "fold_attention_scale": self.fold_attention_scale,
             "fixed_range_outputs": self.fixed_range_outputs,
             "per_block_fallback": self.per_block_fallback,
         }

@@ -36,7 +36,11 @@ def test_summary_shows_ops_left_float_with_their_reason():
     prepared = prepare(model, cfg, example)
     report = summary(prepared)
     floats = {(f.module, f.op_kind): f.reason for f in report.float_ops}
+    # the scores matmul feeds softmax directly (its 1/sqrt(d) is folded into the q projection): float as well
     assert floats == {
+        ("blocks.0.attn", "matmul"): "blocks.0.attn (matmul) output left float: no activation spec (op_kind:matmul)",
+        ("blocks.1.attn", "matmul"): "blocks.1.attn (matmul_2) output left float: no activation spec "
+                                     "(op_kind:matmul)",
         ("blocks.0.attn", "softmax"): "blocks.0.attn (softmax) output left float: no activation spec (op_kind:softmax)",
         ("blocks.1.attn", "softmax"): "blocks.1.attn (softmax_1) output left float: no activation spec "
                                       "(op_kind:softmax)"}

@@ -416,6 +416,7 @@ def test_to_dict_layout_is_plain_and_json_serialisable():
         "module_name",
         "int32_bias",
         "fold_batchnorm",
+        "fold_attention_scale",
         "fixed_range_outputs",
         "per_block_fallback",
     ]
