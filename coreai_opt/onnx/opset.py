@@ -8,7 +8,13 @@ none / int8 / uint8 / int32 bias, per-tensor/axis   18           lowest opset th
 float8_e4m3fn / float8_e5m2                         19           first QuantizeLinear with float8 types
 int16 / uint16 / int4 / uint4                       21           onnxruntime rejects them below 21 (invalid model)
 any per-block quantizer (``block_size``)            21           ``block_size`` attribute appears in opset 21
+a GELU (``nn.GELU`` / ``F.gelu``), default pick     20           ONNX ``Gelu`` appears in opset 20; below it the
+                                                                 exporter writes Div/Erf/Add/Mul/Mul, which
+                                                                 onnxruntime cannot fuse back once each reader of
+                                                                 the input gets its own DequantizeLinear
 ==================================================  ===========  ===============================================
+
+Op rows only raise the default pick: an explicitly requested lower opset still exports (the op decomposed).
 
 The highest opset accepted is :data:`MAX_OPSET` (the newest one verified with onnxruntime 1.32). A dtype without an
 onnxruntime QuantizeLinear/DequantizeLinear kernel (e.g. ``float4_e2m1``: ``NOT_IMPLEMENTED`` in onnxruntime 1.32)
@@ -20,9 +26,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+from torch import fx, nn
+
 from coreai_opt.quantization.spec.dtypes import SUPPORTED_DTYPES, get_dtype_info
 
-__all__ = ["QuantizerUse", "MIN_OPSET", "MAX_OPSET", "BLOCKED_MIN_OPSET", "select_opset", "required_opset"]
+__all__ = [
+    "QuantizerUse", "MIN_OPSET", "MAX_OPSET", "BLOCKED_MIN_OPSET", "GELU_OPSET", "select_opset", "required_opset",
+    "preferred_opset",
+]
 
 #: Lowest opset the dynamo exporter (torch 2.13) writes without version conversion.
 MIN_OPSET = 18
@@ -30,6 +42,10 @@ MIN_OPSET = 18
 MAX_OPSET = 23
 #: ``block_size`` on QuantizeLinear / DequantizeLinear exists from opset 21.
 BLOCKED_MIN_OPSET = 21
+#: ONNX ``Gelu`` (one op, ``approximate="none"`` or ``"tanh"``) exists from opset 20.
+GELU_OPSET = 20
+
+_GELU_FUNCTIONS = (torch.nn.functional.gelu, torch.ops.aten.gelu.default)
 
 
 @dataclass(frozen=True)
@@ -70,12 +86,25 @@ def _describe(use: QuantizerUse) -> str:
     return f"quantizer {use.name!r} ({what})" if use.name else what
 
 
-def select_opset(uses: Iterable[QuantizerUse], requested: int | None = None) -> int:
+def preferred_opset(model: nn.Module) -> int:
+    """Return the lowest opset in which every op of ``model`` exports as a single ONNX op (see the table above).
+
+    Looks for ``nn.GELU`` modules and, in a GraphModule, ``F.gelu`` / ``aten.gelu`` calls.
+    """
+    has_gelu = any(isinstance(m, nn.GELU) for m in model.modules())
+    if not has_gelu and isinstance(model, fx.GraphModule):
+        has_gelu = any(n.op == "call_function" and n.target in _GELU_FUNCTIONS for n in model.graph.nodes)
+    return GELU_OPSET if has_gelu else MIN_OPSET
+
+
+def select_opset(uses: Iterable[QuantizerUse], requested: int | None = None, *, preferred: int = MIN_OPSET) -> int:
     """Return the opset to export with.
 
     Args:
         uses: One entry per quantizer in the model.
-        requested: An explicit opset, or None for the lowest one every quantizer allows.
+        requested: An explicit opset, or None for the lowest one every quantizer allows, raised to ``preferred``.
+        preferred: The opset the model's ops export best with (:func:`preferred_opset`); it only affects the
+            default pick, never rejects an explicit ``requested``.
 
     Returns:
         ``requested`` when it is high enough, else the lowest sufficient opset.
@@ -89,7 +118,7 @@ def select_opset(uses: Iterable[QuantizerUse], requested: int | None = None) -> 
     needed = {use: required_opset(use) for use in uses}
     lowest = max(needed.values(), default=MIN_OPSET)
     if requested is None:
-        return lowest
+        return min(max(lowest, preferred), MAX_OPSET)
     if not isinstance(requested, int) or isinstance(requested, bool):
         raise TypeError(f"opset must be an int or None, got {requested!r}")
     if not MIN_OPSET <= requested <= MAX_OPSET:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import fx, nn
 
-from coreai_opt.onnx.opset import MAX_OPSET, MIN_OPSET, QuantizerUse, select_opset
+from coreai_opt.onnx.opset import GELU_OPSET, MAX_OPSET, MIN_OPSET, QuantizerUse, preferred_opset, select_opset
 
 
 @pytest.mark.parametrize(
@@ -60,3 +62,21 @@ def test_select_opset_rejects_non_int_opset() -> None:
 def test_select_opset_refuses_dtype_without_onnxruntime_kernel() -> None:
     with pytest.raises(ValueError, match="'float4_e2m1'.*no onnxruntime.*kernel.*int8"):
         select_opset([QuantizerUse("float4_e2m1", False, "w")])
+
+
+def test_a_gelu_raises_the_default_opset_to_20_but_an_explicit_lower_opset_still_exports() -> None:
+    assert preferred_opset(nn.Sequential(nn.Linear(4, 4), nn.GELU())) == GELU_OPSET == 20
+    traced = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+    assert preferred_opset(traced) == 20
+    functional = fx.symbolic_trace(_FunctionalGelu())
+    assert preferred_opset(functional) == 20
+    assert preferred_opset(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) == MIN_OPSET
+    int8 = [QuantizerUse("int8", False)]
+    assert select_opset(int8, preferred=20) == 20
+    assert select_opset([QuantizerUse("int16", False)], preferred=20) == 21  # dtypes can ask for more
+    assert select_opset(int8, 18, preferred=20) == 18  # an explicit opset is never refused for an op
+
+
+class _FunctionalGelu(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(x, approximate="tanh")
