@@ -4,7 +4,10 @@ Recipe: check the model is converted -> pick the opset from its quantizers (:mod
 ``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> store constant
 weights quantized (:mod:`coreai_opt.onnx.fold_quantized_weights`) -> turn dynamic activation quantizers in front of
 int8 weights into MatMulInteger (:mod:`coreai_opt.onnx.dynamic_matmul`) -> store transposed weights transposed
-(:mod:`coreai_opt.onnx.transpose_weights`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
+(:mod:`coreai_opt.onnx.transpose_weights`) -> gather embedding rows before dequantizing them
+(:mod:`coreai_opt.onnx.gather_quantized_rows`) -> run quantized linears on rank > 2 inputs as ``Gemm`` so onnxruntime
+builds ``QGemm`` (:mod:`coreai_opt.onnx.linears_to_gemm`), dropping the reshapes that cancel
+(:mod:`coreai_opt.onnx.collapse_reshapes`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
 QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep only the ``namespace`` entry of the
 exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.save`).
 """
@@ -21,11 +24,14 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
 from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
 from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
+from coreai_opt.onnx.gather_quantized_rows import gather_quantized_rows
 from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
+from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
-from coreai_opt.onnx.opset import select_opset
+from coreai_opt.onnx.opset import preferred_opset, select_opset
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.onnx.transpose_weights import transpose_dequantized_weights
 from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
@@ -190,7 +196,9 @@ def export_onnx(
     Every quantizer becomes ``QuantizeLinear -> DequantizeLinear``; quantizers on constant weights and int32
     biases are folded so the file stores integer (or float8) initializers followed by ``DequantizeLinear``;
     weights the graph transposes are stored transposed (``DequantizeLinear -> MatMul``, which onnxruntime fuses,
-    e.g. blocked int4 -> ``MatMulNBits``). Of the exporter's per-node debug metadata only ``namespace`` (the
+    e.g. blocked int4 -> ``MatMulNBits``); 8-bit linears on rank > 2 inputs (a transformer's ``[batch, seq, K]``)
+    are written as ``Reshape -> Gemm -> Reshape`` so onnxruntime runs them as ``QGemm`` with the int32 bias, the
+    same arithmetic as ``MatMul + Add``. Of the exporter's per-node debug metadata only ``namespace`` (the
     module path) is kept: stack traces with absolute source paths would tie the bytes to the machine.
 
     Path rules: the directory of ``path`` must exist (it is not created). Models up to
@@ -206,7 +214,8 @@ def export_onnx(
         example_inputs: A tensor or a tuple of tensors, one per forward argument.
         path: Output file.
         opset: ONNX opset; None picks the lowest one the model's dtypes and granularities allow (int8/uint8: 18,
-            float8: 19, int16/uint16/int4/uint4 or any per-block quantizer: 21).
+            float8: 19, int16/uint16/int4/uint4 or any per-block quantizer: 21), and at least 20 when the model
+            has a GELU, so it exports as one ``Gelu`` op (see :mod:`coreai_opt.onnx.opset`).
         dynamic_batch: Make dimension 0 of every input (and the outputs depending on it) symbolic (``"batch"``).
         input_names: Graph input names; default: the model's argument names.
         output_names: Graph output names; default ``"output"`` (one output) or ``"output_0"``, ``"output_1"``, ...
@@ -224,7 +233,7 @@ def export_onnx(
     quantizers = converted_quantizers(model)
     inputs = _as_input_tuple(example_inputs)
     _refuse_bfloat16(model, inputs)
-    chosen_opset = select_opset(quantizer_uses(quantizers), opset)
+    chosen_opset = select_opset(quantizer_uses(quantizers), opset, preferred=preferred_opset(model))
     in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
     num_outputs = _count_outputs(model, inputs)
     default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]
@@ -236,6 +245,9 @@ def export_onnx(
     fold_quantized_weights(model_proto)
     fuse_dynamic_matmuls(model_proto)
     transpose_dequantized_weights(model_proto)
+    gather_quantized_rows(model_proto)
+    if linears_to_gemm(model_proto):
+        collapse_reshapes(model_proto)
     guard_float8_activations(model_proto)
     _strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)

@@ -62,9 +62,10 @@ def test_zoo_w8a8_classifier_top1_agrees_on_64_inputs(converted: Callable[[str, 
     print(f"\n{name} w8a8\n{report}")
     assert report.num_samples == 64
     (output,) = report.outputs
-    # every flip must be a near tie (eager top-2 margin within the output tolerance); the CNNs measure 100 %
+    # every flip must be a near tie (eager top-2 margin within the output tolerance); the CNNs measure 100 %, the
+    # random-init transformer_encoder (10 near-equal logits) 62/64 with both flips inside a 3-step margin
     assert report.argmax_agreement >= 1.0 - output.argmax_flips_within_tolerance / 64
-    assert output.argmax_flips_within_tolerance <= 1, str(report)
+    assert output.argmax_flips_within_tolerance <= 2, str(report)
     if name != "transformer_encoder":  # random-init transformer: near-tied logits (measured 63/64, one near tie)
         assert report.argmax_agreement == 1.0, str(report)
     assert report.ok, str(report)
@@ -97,6 +98,16 @@ def _assert_convs_and_linears_integer(converted: Callable[[str, str], Converted]
 def test_zoo_w8a8_cnn_runs_every_conv_and_linear_as_integer_kernel(converted: Callable[[str, str], Converted],
                                                                   name: str) -> None:
     _assert_convs_and_linears_integer(converted, name)
+
+
+def test_zoo_w8a8_transformer_runs_every_linear_and_attention_matmul_as_integer_kernel(
+    converted: Callable[[str, str], Converted],
+) -> None:
+    """3-D linears export as Reshape -> Gemm (QGemm with the int32 bias), q @ kᵀ and attn @ v as QLinearMatMul."""
+    _assert_convs_and_linears_integer(converted, "transformer_encoder")
+    model, path, _ = converted("transformer_encoder", "w8a8")
+    fusion = verify_onnx(model, path, _inputs("transformer_encoder", batches=1)).fusion
+    assert fusion.integer_compute == {"QGemm": 13, "QLinearMatMul": 4}
 
 
 def test_zoo_w8a8_conv_transpose_stays_float_in_onnxruntime(converted: Callable[[str, str], Converted]) -> None:
@@ -168,5 +179,6 @@ def test_zoo_w4_transformer_linears_run_as_matmulnbits(converted: Callable[[str,
     fusion = verify_onnx(model, path, _inputs("transformer_encoder", batches=1)).fusion
     print(f"\ntransformer_encoder w4\n{fusion}")
     assert fusion.integer_compute == {"MatMulNBits": 12}  # q, k, v, o, fc1, fc2 in 2 blocks
-    # left in float: q @ k^T and attn @ v per block (activation x activation) and the 2-D head Gemm
-    assert fusion.float_compute == {"FusedMatMul": 2, "MatMul": 2, "Gemm": 1}
+    # left in float: q @ k^T and attn @ v per block (activation x activation; the 1/sqrt(d) scale is folded into
+    # the q projection, so there is no Div for onnxruntime to fuse into a FusedMatMul) and the 2-D head Gemm
+    assert fusion.float_compute == {"MatMul": 4, "Gemm": 1}

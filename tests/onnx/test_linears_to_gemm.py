@@ -1,0 +1,160 @@
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+import coreai_opt
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.onnx import export_onnx, fusion_report, verify_onnx
+from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
+from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
+from tests.onnx.onnx_graphs import run, save
+
+RNG = np.random.default_rng(11)
+K, N = 16, 8
+
+
+class _TokenMlp(nn.Module):
+    """Linear -> GELU -> Linear on ``[batch, seq, dim]``, plus a residual add (a transformer's MLP block)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.fc2(self.act(self.fc1(x)))
+        return self.head(x).mean(dim=1)
+
+
+def _op_counts(path: Path) -> collections.Counter[str]:
+    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+
+
+def _export(model: nn.Module, preset: str, path: Path) -> tuple[nn.Module, Path]:
+    torch.manual_seed(0)
+    example = torch.randn(2, 12, 32)
+    prepared = coreai_opt.prepare(model.eval(), getattr(QuantizerConfig.presets, preset)(), (example,))
+    coreai_opt.calibrate(prepared, [(torch.randn(4, 12, 32),) for _ in range(4)], progress=False)
+    converted = coreai_opt.convert(prepared)
+    return converted, export_onnx(converted, (example,), path)
+
+
+def test_w8a8_linears_on_3d_inputs_export_as_gemm_and_run_as_qgemm_bit_exact(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    converted, path = _export(_TokenMlp(), "w8a8", tmp_path / "mlp.onnx")
+    counts = _op_counts(path)
+    assert counts["Gemm"] == 3 and counts["MatMul"] == 0
+    assert counts["Gelu"] == 1  # opset 20 picked for the GELU: one op, not Erf/Div/Add/Mul
+    # fc1 -> GELU -> fc2 keep the 2-D rows between them (flatten before fc1, unflatten before the residual add);
+    # the head reads the 3-D sum and feeds the mean over the sequence: one flatten and one unflatten more
+    assert counts["Reshape"] == 4
+    torch.manual_seed(5)
+    report = verify_onnx(converted, path, [torch.randn(b, 12, 32) for b in (1, 3, 7)])
+    print(report)
+    assert report.fusion.integer_compute == {"QGemm": 3} and not report.fusion.float_compute
+    assert report.outputs[0].max_diff_steps == 0.0, str(report)
+
+
+def test_linears_keep_matmul_where_onnxruntime_fuses_matmul(tmp_path: Path) -> None:
+    """Blocked int4 weights -> MatMulNBits and dynamic activations -> DynamicQuantizeMatMul need MatMul."""
+    torch.manual_seed(0)
+    for preset, fused in (("w4", "MatMulNBits"), ("w8a8_dynamic", "DynamicQuantizeMatMul")):
+        _, path = _export(_TokenMlp(), preset, tmp_path / f"{preset}.onnx")
+        assert _op_counts(path)["MatMul"] + _op_counts(path)["MatMulInteger"] >= 2, preset
+        assert fusion_report(path).integer_compute.get(fused, 0) >= 2, preset
+
+
+def _linear_graph(lead: list[str | int], bias: bool, output_q: bool) -> onnx.ModelProto:
+    """uint8 QDQ ``y = x @ DQ(W_q [K, N]) + DQ(b_q int32)`` on an input with leading dims ``lead``."""
+    weight = RNG.integers(-127, 128, (K, N)).astype(np.int8)
+    w_scale = (RNG.random(N) * 0.02 + 0.005).astype(np.float32)
+    x_scale = np.float32(0.03)
+    inits = [
+        numpy_helper.from_array(x_scale, "x_scale"), numpy_helper.from_array(np.uint8(120), "x_zp"),
+        numpy_helper.from_array(weight, "w_q"), numpy_helper.from_array(w_scale, "w_scale"),
+        numpy_helper.from_array(np.zeros(N, np.int8), "w_zp"),
+        numpy_helper.from_array(RNG.integers(-500, 500, N).astype(np.int32), "b_q"),
+        numpy_helper.from_array((x_scale * w_scale).astype(np.float32), "b_scale"),
+        numpy_helper.from_array(np.float32(0.04), "y_scale"), numpy_helper.from_array(np.uint8(128), "y_zp"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xd"]),
+        helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zp"], ["w"], axis=1),
+        helper.make_node("MatMul", ["xd", "w"], ["mm"]),
+    ]
+    out = "mm"
+    if bias:
+        nodes += [helper.make_node("DequantizeLinear", ["b_q", "b_scale"], ["b"], axis=0),
+                  helper.make_node("Add", ["mm", "b"], ["lin"])]
+        out = "lin"
+    if output_q:
+        nodes += [helper.make_node("QuantizeLinear", [out, "y_scale", "y_zp"], ["yq"]),
+                  helper.make_node("DequantizeLinear", ["yq", "y_scale", "y_zp"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Identity", [out], ["y"]))
+    graph = helper.make_graph(
+        nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*lead, N])], inits,
+        value_info=[helper.make_tensor_value_info("xq", TensorProto.UINT8, [*lead, K])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+LEADS = {  # symbolic / static leading dims -> concrete leading shapes to run
+    "batch_seq_symbolic": (["b", "s"], [[2, 3], [1, 7]]),
+    "batch_symbolic_rank4": (["b", 3, "h"], [[2, 3, 5], [1, 3, 1]]),
+    "batch_symbolic_seq_static": (["b", 5], [[2, 5], [4, 5]]),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("output_q", [True, False])
+@pytest.mark.parametrize("lead_name", list(LEADS))
+def test_rewrite_is_value_identical_for_any_leading_shape(tmp_path: Path, lead_name: str, bias: bool,
+                                                         output_q: bool) -> None:
+    lead, concrete_leads = LEADS[lead_name]
+    model = _linear_graph(lead, bias, output_q)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    assert linears_to_gemm(rewritten) == 1
+    collapse_reshapes(rewritten)
+    onnx.checker.check_model(rewritten, full_check=True)
+    ops = collections.Counter(n.op_type for n in rewritten.graph.node)
+    assert ops["Gemm"] == 1 and ops["MatMul"] == 0 and ops["Add"] == 0
+    symbolic = sum(isinstance(d, str) for d in lead)
+    assert ops["Shape"] == (1 if symbolic > 1 else 0)  # leading sizes read at run time only when 2+ are symbolic
+    for concrete in concrete_leads:
+        x = RNG.standard_normal([*concrete, K]).astype(np.float32) * 2
+        (before,) = run(model, {"x": x})
+        (after,) = run(rewritten, {"x": x})
+        (after_optimized,) = run(rewritten, {"x": x}, optimize=True)
+        (before_optimized,) = run(model, {"x": x}, optimize=True)
+        assert after.shape == before.shape == (*concrete, N)
+        np.testing.assert_array_equal(after, before)
+        if output_q:  # onnxruntime's integer QGemm: the same step grid as its MatMul path, within one step
+            np.testing.assert_allclose(after_optimized, before_optimized, rtol=0, atol=0.04 + 1e-6)
+    if output_q and bias:
+        assert fusion_report(save(rewritten, tmp_path / "m.onnx")).integer_compute == {"QGemm": 1}
+
+
+def test_rank2_linears_and_unmatched_weights_are_left_alone() -> None:
+    model = _linear_graph(["b"], bias=True, output_q=True)  # rank 2: the exporter would have written Gemm
+    assert linears_to_gemm(model) == 0
+    model = _linear_graph(["b", 4], bias=True, output_q=True)
+    for init in model.graph.initializer:  # a 16-bit weight: not a QGemm operand
+        if init.name == "w_q":
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.int16), "w_q"))
+        if init.name == "w_zp":
+            init.CopyFrom(numpy_helper.from_array(np.zeros(N, np.int16), "w_zp"))
+    assert linears_to_gemm(model) == 0
