@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -48,8 +49,33 @@ def weight_quantizer_inputs(gm: fx.GraphModule) -> list[tuple[FakeQuantize, torc
     return pairs
 
 
-def commit_weight_qparams(gm: fx.GraphModule) -> int:
-    """Recompute every weight quantizer's qparams from the current weight (no calibration data needed).
+#: Weight quantizer -> (weak reference to the weight it was committed from, that weight's version). Kept outside
+#: the modules so that pickling / deep-copying a model never meets a weak reference.
+_COMMITTED_FROM: weakref.WeakKeyDictionary[FakeQuantize, tuple[weakref.ref[torch.Tensor], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _unchanged_since_commit(fq: FakeQuantize, weight: torch.Tensor) -> bool:
+    """True when ``fq`` holds qparams committed from this very tensor and it was not modified in place since.
+
+    ``Tensor._version`` grows with every in-place change (optimizer steps, ``load_state_dict``, ``copy_``); a
+    replaced parameter is a different object, which the weak reference tells apart even if its id is reused.
+    """
+    record = _COMMITTED_FROM.get(fq)
+    return (record is not None and record[0]() is weight and record[1] == weight._version
+            and fq.calculator.has_qparams)
+
+
+def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
+    """Compute every weight quantizer's qparams from the current weight (no calibration data needed).
+
+    A weight that is the same tensor, unchanged, as at its last commit is skipped (its qparams would come out the
+    same), so calibrating repeatedly does not re-scan every weight each time.
+
+    Args:
+        gm: A prepared model.
+        force: Recompute every weight quantizer even when its weight did not change.
 
     Returns:
         The number of weight quantizers committed.
@@ -60,8 +86,11 @@ def commit_weight_qparams(gm: fx.GraphModule) -> int:
             calculator = fq.calculator
             if not isinstance(calculator, StatefulQParamsCalculatorBase) or fq.export_mode:
                 continue
+            if not force and _unchanged_since_commit(fq, weight):
+                continue
             calculator.reset_statistics()
             calculator.observe(weight.detach())
             fq.commit()
+            _COMMITTED_FROM[fq] = (weakref.ref(weight), weight._version)
             count += 1
     return count

@@ -129,13 +129,14 @@ def calibrate(
     saved = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for fq in quantizers]
     biases = [bq for _, bq in bias_quantizers(prepared)]
     saved_biases = [bq.fake_quant_enabled for bq in biases]
-    # Weights are constants during PTQ: their quantizers are committed once from the weights after the loop
-    # instead of re-scanning every weight on every batch.
+    # Weights are constants during PTQ: their quantizers are committed from the weights after the loop (and only
+    # if a weight changed since its last commit) instead of re-scanning every weight on every batch.
     weight_ids = {id(fq) for fq, _ in weight_quantizer_inputs(prepared)}
     activation_quantizers = [fq for fq in quantizers if id(fq) not in weight_ids]
     was_training = prepared.training
     for fq in quantizers:
-        fq.calculator.reset_statistics()
+        if id(fq) not in weight_ids:  # weight statistics stay those of the weight they were committed from
+            fq.calculator.reset_statistics()
         fq.enable_observer(id(fq) not in weight_ids)
         fq.enable_fake_quant(False)
     for bq in biases:  # the input scale is a placeholder / stale until commit: keep the float bias meanwhile

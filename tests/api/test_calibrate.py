@@ -95,12 +95,13 @@ def test_calibrate_rejects_models_not_from_prepare():
         calibrate(nn.Linear(2, 2), [torch.randn(1, 2)])
 
 
-def test_calibrate_observes_each_weight_once_not_on_every_batch():
+def test_calibrate_never_rescans_weights_per_batch_and_recommits_only_changed_ones():
     from coreai_opt.api._state import weight_quantizer_inputs
 
     model, example, batches = build("resnet18")
     prepared = prepare(model, QuantizerConfig.presets.w8a8(), example)
-    weight_fqs = [fq for fq, _ in weight_quantizer_inputs(prepared)]
+    pairs = weight_quantizer_inputs(prepared)
+    weight_fqs = [fq for fq, _ in pairs]
     calls = {id(fq.calculator): 0 for fq in weight_fqs}
     for fq in weight_fqs:
         original = fq.calculator.observe
@@ -112,5 +113,21 @@ def test_calibrate_observes_each_weight_once_not_on_every_batch():
         fq.calculator.observe = counting
     before = [fq.calculator.scale.clone() for fq in weight_fqs]
     calibrate(prepared, batches, progress=False)
-    assert len(weight_fqs) == 21 and set(calls.values()) == {1}  # committed once from the weight, not per batch
+    # weights are unchanged since prepare committed them: no weight is scanned, not even once
+    assert len(weight_fqs) == 21 and set(calls.values()) == {0}
     assert all(torch.equal(b, fq.calculator.scale) for b, fq in zip(before, weight_fqs, strict=True))
+    changed_fq, changed_weight = pairs[3]
+    with torch.no_grad():
+        changed_weight.mul_(2.0)  # an in-place edit (optimizer step, load_state_dict) bumps the tensor's version
+    calibrate(prepared, batches, progress=False)
+    assert calls[id(changed_fq.calculator)] == 1 and sum(calls.values()) == 1
+    torch.testing.assert_close(changed_fq.calculator.scale, before[3] * 2.0, rtol=1e-6, atol=0)
+    # a replaced parameter is a new tensor (even if Python reuses the old one's id): committed again
+    replaced_fq = pairs[4][0]
+    source = next(n.args[0] for n in prepared.graph.nodes if n.op == "call_module"
+                  and prepared.get_submodule(str(n.target)) is replaced_fq)
+    owner, _, attr = str(source.target).rpartition(".")
+    setattr(prepared.get_submodule(owner), attr, torch.nn.Parameter(pairs[4][1].detach() * 3.0))
+    calibrate(prepared, batches, progress=False)
+    assert calls[id(replaced_fq.calculator)] == 1 and sum(calls.values()) == 2
+    torch.testing.assert_close(replaced_fq.calculator.scale, before[4] * 3.0, rtol=1e-6, atol=0)

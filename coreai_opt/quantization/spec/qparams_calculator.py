@@ -214,7 +214,7 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
         """Accumulate statistics of ``x`` (nothing in export mode). Cheap: no qparams are computed."""
         if not self.export_mode:
             self.range_calculator.update(x)
-            self.batches_since_sync += 1
+            self.__dict__["batches_since_sync"] += 1  # plain int attribute; skips nn.Module.__setattr__ (hot path)
 
     def sync_statistics(self, group: object | None = None, *, only_order_dependent: bool = False) -> None:  # noqa: D102
         if only_order_dependent and not self.order_dependent:

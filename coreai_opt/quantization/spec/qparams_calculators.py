@@ -49,6 +49,7 @@ from coreai_opt.quantization.spec.qparams_calculator import (
     StatefulQParamsCalculatorBase,
     StatelessQParamsCalculatorBase,
 )
+from coreai_opt.quantization.spec.range_calculator import replace_buffer
 
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
@@ -86,11 +87,12 @@ class _RunningRangeQParamsCalculator(StatefulQParamsCalculatorBase):
         """Update the running range with the per-group min/max of ``x`` (nothing in export mode)."""
         if self.export_mode:
             return
-        self.range_calculator.update(x)
-        self.batches_since_sync += 1
-        if not self.range_calculator.has_statistics:  # no finite value at all (warned): the batch adds nothing
+        rc = self.range_calculator
+        rc.update(x)
+        self.__dict__["batches_since_sync"] += 1  # plain int attribute; skips nn.Module.__setattr__ (hot path)
+        if not rc.has_statistics:  # no finite value at all (warned): the batch adds nothing
             return
-        batch_min, batch_max = self.range_calculator.compute_range()
+        batch_min, batch_max = rc.compute_range()
         if self.running_min.numel() == 0:
             self.running_min = torch.full_like(batch_min, float("inf"))
             self.running_max = torch.full_like(batch_max, float("-inf"))
@@ -102,9 +104,12 @@ class _RunningRangeQParamsCalculator(StatefulQParamsCalculatorBase):
                 "vary."
             )
         new_min, new_max = self._merge(batch_min, batch_max)
-        valid = torch.isfinite(batch_min)  # groups whose batch had at least one finite value
-        self.running_min = torch.where(valid, new_min, self.running_min)
-        self.running_max = torch.where(valid, new_max, self.running_max)
+        if not getattr(rc, "all_finite", False):  # keep the running range of groups with no finite value
+            valid = torch.isfinite(batch_min)
+            new_min = torch.where(valid, new_min, self.running_min)
+            new_max = torch.where(valid, new_max, self.running_max)
+        replace_buffer(self, "running_min", new_min)
+        replace_buffer(self, "running_max", new_max)
 
     def _merge(self, batch_min: Tensor, batch_max: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError

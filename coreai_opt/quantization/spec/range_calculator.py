@@ -20,6 +20,7 @@ Contract of every subclass:
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING, ClassVar
 
@@ -33,21 +34,38 @@ from coreai_opt.quantization.spec.registry import Registry
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
 
-__all__ = ["RangeCalculatorBase", "MinMaxRangeCalculator", "RANGE_CALCULATORS", "finite_rows_min_max"]
+__all__ = [
+    "RangeCalculatorBase", "MinMaxRangeCalculator", "RANGE_CALCULATORS", "finite_rows_min_max", "replace_buffer",
+]
+
+
+def replace_buffer(module: nn.Module, name: str, value: Tensor) -> None:
+    """Rebind the registered buffer ``name`` of ``module`` to ``value`` (same effect as ``module.name = value``).
+
+    Calibration rebinds a few buffers per quantizer per batch; ``nn.Module.__setattr__`` spends ~8 µs on type
+    checks each time, more than the reduction it stores, so the hot paths write the buffer table directly.
+    """
+    module._buffers[name] = value
 
 
 def finite_rows_min_max(rows: Tensor) -> tuple[Tensor, Tensor, bool]:
     """Return the per-row min and max of ``rows`` over finite values only.
 
-    The fast path is one ``aminmax``; only when its result is not finite are NaN/Inf masked out.
+    The fast path is one ``aminmax`` (a full reduction for a single row: ``aminmax(dim=1)`` on a ``[1, N]`` view
+    runs about 13x slower on CPU); only when its result is not finite are NaN/Inf masked out.
     A row with no finite value gives ``(+inf, -inf)``.
 
     Returns:
         ``(min, max, had_non_finite)``.
     """
-    mn, mx = torch.aminmax(rows, dim=1)
-    if bool(torch.isfinite(mn).all()) and bool(torch.isfinite(mx).all()):
-        return mn, mx, False
+    if rows.shape[0] == 1 and rows.shape[1] > 0:  # per-tensor: a full reduction is ~13x faster than along dim 1
+        mn, mx = torch.aminmax(rows)
+        if math.isfinite(mn.item()) and math.isfinite(mx.item()):  # two scalar reads beat isfinite's 3 kernels
+            return mn.reshape(1), mx.reshape(1), False
+    else:
+        mn, mx = torch.aminmax(rows, dim=1)
+        if bool(torch.isfinite(mn + mx).all()):  # one check for both (a finite overflow takes the slow path)
+            return mn, mx, False
     finite = torch.isfinite(rows)
     inf = torch.tensor(float("inf"), dtype=rows.dtype, device=rows.device)
     mn = torch.where(finite, rows, inf).amin(dim=1)
@@ -161,8 +179,10 @@ class MinMaxRangeCalculator(RangeCalculatorBase):
         if had_non_finite:
             self._warn_non_finite()
         shape = self.granularity.qparam_shape(x.shape)
-        self.min_val = mn.reshape(shape).float()
-        self.max_val = mx.reshape(shape).float()
+        replace_buffer(self, "min_val", mn.reshape(shape).float())
+        replace_buffer(self, "max_val", mx.reshape(shape).float())
+        # every group finite: has_statistics / the callers' finiteness checks need no tensor op for this batch
+        self.__dict__["_all_finite_for"] = None if had_non_finite else self.min_val
 
     def compute_range(self) -> tuple[Tensor, Tensor]:  # noqa: D102
         if not self.has_statistics:
@@ -174,8 +194,13 @@ class MinMaxRangeCalculator(RangeCalculatorBase):
         self.max_val = torch.empty(0, device=self.max_val.device)
 
     @property
+    def all_finite(self) -> bool:
+        """True when the last :meth:`update` found a finite value in every group (and nothing changed since)."""
+        return self.__dict__.get("_all_finite_for") is self.min_val and self.min_val.numel() > 0
+
+    @property
     def has_statistics(self) -> bool:  # noqa: D102
-        return self.min_val.numel() > 0 and bool(torch.isfinite(self.min_val).any())
+        return self.all_finite or (self.min_val.numel() > 0 and bool(torch.isfinite(self.min_val).any()))
 
     def all_reduce(self, group: object | None = None) -> None:
         """``min_val = MIN_r min_val_r``, ``max_val = MAX_r max_val_r`` elementwise over the ranks of ``group``.
