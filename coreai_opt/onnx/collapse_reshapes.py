@@ -22,6 +22,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from coreai_opt.onnx.graph_index import readers_of
+
 __all__ = ["collapse_reshapes"]
 
 #: Ops applied element by element to a single tensor input (other inputs, if any, must be one-element constants).
@@ -87,10 +89,7 @@ class _Rewriter:
         self.readers: dict[str, list[onnx.NodeProto]] = {}
 
     def refresh(self) -> None:
-        self.readers = {}
-        for node in self.graph.node:
-            for name in node.input:
-                self.readers.setdefault(name, []).append(node)
+        self.readers = readers_of(self.graph)
 
     def only_reader(self, name: str) -> onnx.NodeProto | None:
         readers = self.readers.get(name, [])

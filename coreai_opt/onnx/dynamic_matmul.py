@@ -26,6 +26,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from coreai_opt.onnx.graph_index import producers_of
+
 __all__ = ["fuse_dynamic_matmuls"]
 
 
@@ -68,7 +70,7 @@ def fuse_dynamic_matmuls(model: onnx.ModelProto) -> int:
     """
     graph = model.graph
     inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
-    producers = {o: n for n in graph.node for o in n.output}
+    producers = producers_of(graph)
     taken = {o for n in graph.node for o in n.output} | set(inits) | {i.name for i in graph.input}
     rewritten = 0
     new_nodes: list[onnx.NodeProto] = []

@@ -36,6 +36,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from coreai_opt.onnx.graph_index import readers_of
+
 __all__ = ["fold_quantized_weights"]
 
 _Arrays = list["np.ndarray | None"]
@@ -260,10 +262,7 @@ def _fold_narrow_range_clamps(graph: onnx.GraphProto, folder: _ConstantFolder) -
     stored integers instead; the rewrite is kept only if it reproduces the clamped floats exactly.
     """
     initializers = {t.name: t for t in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for name in n.input:
-            consumers.setdefault(name, []).append(n)
+    consumers = readers_of(graph)
     removed: list[onnx.NodeProto] = []
     folded = 0
     for node in graph.node:

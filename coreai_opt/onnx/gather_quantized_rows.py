@@ -21,6 +21,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from coreai_opt.onnx.graph_index import readers_of
+
 __all__ = ["gather_quantized_rows"]
 
 #: Integer table types onnxruntime's Gather handles (4-bit types are packed two per byte, so they are left alone).
@@ -87,10 +89,7 @@ def gather_quantized_rows(model: onnx.ModelProto) -> int:
     """
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    readers = readers_of(graph)
     replaced: dict[int, list[onnx.NodeProto]] = {}
     emptied: set[int] = set()
     graph_outputs = {o.name for o in graph.output}

@@ -28,6 +28,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from coreai_opt.onnx.graph_index import producers_of, readers_of
+
 __all__ = ["linears_to_gemm"]
 
 _EIGHT_BIT = frozenset({TensorProto.INT8, TensorProto.UINT8})
@@ -54,11 +56,8 @@ class _Graph:
         graph = model.graph
         self.graph = graph
         self.initializers = {t.name: t for t in graph.initializer}
-        self.producer = {out: node for node in graph.node for out in node.output}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for name in node.input:
-                self.consumers.setdefault(name, []).append(node)
+        self.producer = producers_of(graph)
+        self.consumers = readers_of(graph)
         self.outputs = {o.name for o in graph.output}
         #: Known shapes: an int per static dimension, a str (its symbol, or "?") per dynamic one.
         self.shapes: dict[str, list[int | str]] = {}

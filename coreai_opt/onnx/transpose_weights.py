@@ -17,6 +17,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from coreai_opt.onnx.graph_index import readers_of
+
 __all__ = ["transpose_dequantized_weights"]
 
 
@@ -48,10 +50,7 @@ def transpose_dequantized_weights(model: onnx.ModelProto) -> int:
     """
     graph = model.graph
     initializers = {t.name: t for t in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    consumers = readers_of(graph)
     graph_outputs = {o.name for o in graph.output}
     removed: list[onnx.NodeProto] = []
     for node in graph.node:

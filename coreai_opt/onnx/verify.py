@@ -31,6 +31,7 @@ from onnx import numpy_helper
 from torch import nn
 
 from coreai_opt.onnx.fusion_report import FusionReport, fusion_report
+from coreai_opt.onnx.graph_index import producers_of
 
 __all__ = [
     "VerificationReport",
@@ -169,7 +170,7 @@ def _output_steps(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, int]]:
     move its axis).
     """
     graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
+    producer = producers_of(graph)
     initializers = {t.name: t for t in graph.initializer}
     steps: dict[str, tuple[np.ndarray, int]] = {}
     for output in graph.output:
