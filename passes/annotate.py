@@ -13,7 +13,8 @@ add, mul, sub, div                          every tensor operand and the output 
 layer_norm, group_norm, gelu, silu,         input and output
 hardswish, interpolate, avg_pool, relu*
 softmax, sigmoid / tanh                     input and output, output range fixed to [0, 1] / [-1, 1]
-                                            (``fixed_range_outputs``)
+                                            (``fixed_range_outputs``); softmax's upper end is shrunk to a
+                                            power-of-two step (uint8: [0, 255/256], see ``_power_of_two_step``)
 cat                                         inputs and output share one quantizer
 move (reshape, view, permute, getitem ...), output shares the input's quantizer (no requantization)
 dropout / identity, max_pool
@@ -29,6 +30,7 @@ dimension is reported for every offending node at once. Ops left float get a rea
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -51,6 +53,7 @@ from coreai_opt.passes.node_meta import (
 from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
 from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
+from coreai_opt.quantization.spec.qparams_math import compute_qparams
 
 __all__ = ["annotate", "Resolver"]
 
@@ -77,6 +80,7 @@ class _Pattern:
     fuse_activation: bool = False
     float_range: tuple[float, float] | None = None
     share_inputs: bool = False
+    power_of_two_step: bool = False  # shrink the fixed range so an integer step is 2^-k (see _fixed)
 
 
 _ID = {0: 0, 1: 1}
@@ -89,7 +93,7 @@ PATTERNS: dict[OpKind, _Pattern] = {
     **{k: _Pattern(fuse_activation=True) for k in (OpKind.ADD, OpKind.MUL, OpKind.SUB, OpKind.DIV)},
     **{k: _Pattern() for k in (OpKind.LAYER_NORM, OpKind.GROUP_NORM, OpKind.GELU, OpKind.SILU, OpKind.HARDSWISH,
                                OpKind.INTERPOLATE, OpKind.AVG_POOL, OpKind.RELU, OpKind.RELU6, OpKind.HARDTANH)},
-    OpKind.SOFTMAX: _Pattern(float_range=(0.0, 1.0)),
+    OpKind.SOFTMAX: _Pattern(float_range=(0.0, 1.0), power_of_two_step=True),
     OpKind.SIGMOID: _Pattern(float_range=(0.0, 1.0)),
     OpKind.TANH: _Pattern(float_range=(-1.0, 1.0)),
     OpKind.CAT: _Pattern(share_inputs=True, output="share"),
@@ -139,9 +143,38 @@ def _map_weight_spec(spec: QuantizationSpec, axes: dict[int, int], shape: tuple[
     return spec.model_copy(update={"granularity": mapped})
 
 
-def _fixed(spec: QuantizationSpec, float_range: tuple[float, float]) -> QuantizationSpec:
+def _power_of_two_step(spec: QuantizationSpec, float_range: tuple[float, float]) -> tuple[float, float]:
+    """Shrink ``float_range``'s upper end so that an integer dtype's step is exactly a power of two.
+
+    onnxruntime's ``QLinearSoftmax`` requantizes with the factor ``floor(1 / y_scale)``: for ``[0, 1]`` in
+    uint8, ``y_scale = float32(1/255)`` and ``1 / y_scale = 254.99998``, so every probability would come out
+    scaled by 254/255 (one step off near 1) while the eager model rounds ``p / y_scale``. With
+    ``y_scale = 2^-8`` (range ``[0, 255/256]``) the factor is exactly 256 and both compute the same grid; the
+    largest probability loses at most one step of 1/256 to clamping. Float dtypes keep the range.
+
+    Math: with ``lo = 0`` the step is ``s(hi) = hi / L`` for a dtype constant ``L`` (255 for asymmetric uint8,
+    127.5 for symmetric int8), so ``hi' = 2^floor(log2(hi / L)) · L`` gives the power-of-two step
+    ``s(hi') = 2^floor(log2(hi / L))``. The result is checked; if it is not exact the range is kept.
+    """
+    if spec.dtype_info.is_float or float_range[0] != 0.0:
+        return float_range
+    high = float_range[1]
+
+    def step_of(upper: float) -> float:
+        return float(compute_qparams(torch.tensor(0.0), torch.tensor(upper), spec.dtype_info, spec.qscheme).scale)
+
+    levels = round(2.0 * high / step_of(high)) / 2.0  # 255 (asymmetric uint8) or 127.5 (symmetric int8): exact
+    target = 2.0 ** math.floor(math.log2(high / levels))
+    upper = target * levels  # a power of two times a (half-)integer: exact in float32
+    return (0.0, upper) if step_of(upper) == target else float_range
+
+
+def _fixed(spec: QuantizationSpec, float_range: tuple[float, float], power_of_two_step: bool = False
+           ) -> QuantizationSpec:
     if spec.float_range is not None:
         return spec
+    if power_of_two_step:
+        float_range = _power_of_two_step(spec, float_range)
     try:
         return QuantizationSpec.from_dict({**spec.to_dict(), "float_range": list(float_range)})
     except ValueError:  # e.g. a stateless calculator: keep observing
@@ -239,7 +272,7 @@ class _Matcher:
         if pattern.output == "own" and act is not None and produces_float:
             out_spec = act
             if pattern.float_range and self.fixed_range_outputs:
-                out_spec = _fixed(act, pattern.float_range)
+                out_spec = _fixed(act, pattern.float_range, pattern.power_of_two_step)
             users = list(node.users)
             if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
                     and users[0].args and users[0].args[0] is node:
