@@ -7,7 +7,9 @@ int8 weights into MatMulInteger (:mod:`coreai_opt.onnx.dynamic_matmul`) -> store
 (:mod:`coreai_opt.onnx.transpose_weights`) -> gather embedding rows before dequantizing them
 (:mod:`coreai_opt.onnx.gather_quantized_rows`) -> run quantized linears on rank > 2 inputs as ``Gemm`` so onnxruntime
 builds ``QGemm`` (:mod:`coreai_opt.onnx.linears_to_gemm`), dropping the reshapes that cancel
-(:mod:`coreai_opt.onnx.collapse_reshapes`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
+(:mod:`coreai_opt.onnx.collapse_reshapes`) -> write quantized spatial means as ``GlobalAveragePool``
+(:mod:`coreai_opt.onnx.global_average_pool`) -> drop all-zero conv/gemm biases
+(:mod:`coreai_opt.onnx.drop_zero_biases`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
 QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep only the ``namespace`` entry of the
 exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.save`).
 """
@@ -25,9 +27,11 @@ import torch
 from torch import nn
 
 from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
+from coreai_opt.onnx.drop_zero_biases import drop_zero_biases
 from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
 from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
 from coreai_opt.onnx.gather_quantized_rows import gather_quantized_rows
+from coreai_opt.onnx.global_average_pool import reduce_mean_to_global_average_pool
 from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
 from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
@@ -248,6 +252,8 @@ def export_onnx(
     gather_quantized_rows(model_proto)
     if linears_to_gemm(model_proto):
         collapse_reshapes(model_proto)
+    reduce_mean_to_global_average_pool(model_proto)
+    drop_zero_biases(model_proto)
     guard_float8_activations(model_proto)
     _strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)

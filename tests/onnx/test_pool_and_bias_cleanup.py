@@ -1,0 +1,111 @@
+"""Export clean-ups for CNN tails: integer global average pool, no all-zero biases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from torch import nn
+
+import coreai_opt
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.onnx import export_onnx, verify_onnx
+from coreai_opt.onnx.drop_zero_biases import drop_zero_biases
+from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
+from coreai_opt.onnx.global_average_pool import reduce_mean_to_global_average_pool
+from tests.onnx.onnx_graphs import conv_qdq_model, run
+
+
+class _Tail(nn.Module):
+    """conv -> BN (fresh: zero shift, so the folded bias is 0) -> relu -> global mean -> linear."""
+
+    def __init__(self, keepdim: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 5)
+        self.keepdim = keepdim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = torch.relu(self.bn(self.conv(x))).mean((2, 3), keepdim=self.keepdim)
+        return self.fc(pooled.flatten(1))
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+def test_cnn_tail_exports_integer_global_pool_and_no_zero_bias(tmp_path: Path, keepdim: bool) -> None:
+    torch.manual_seed(0)
+    model = _Tail(keepdim).eval()
+    batches = [(torch.rand(4, 3, 12, 12),) for _ in range(3)]
+    prepared = coreai_opt.prepare(model, QuantizerConfig.presets.w8a8(), batches[0])
+    coreai_opt.calibrate(prepared, batches, progress=False)
+    converted = coreai_opt.convert(prepared)
+    path = export_onnx(converted, batches[0], tmp_path / "tail.onnx")
+    nodes = onnx.load(str(path)).graph.node
+    assert [n.op_type for n in nodes if n.op_type in ("ReduceMean", "GlobalAveragePool")] == ["GlobalAveragePool"]
+    conv = next(n for n in nodes if n.op_type == "Conv")
+    assert len(conv.input) == 2  # the folded all-zero bias is gone; the Gemm keeps its real bias
+    assert len(next(n for n in nodes if n.op_type == "Gemm").input) == 3
+    torch.manual_seed(1)
+    report = verify_onnx(converted, path, [torch.rand(8, 3, 12, 12) for _ in range(4)])
+    print(report)
+    assert report.fusion.other_quantized.get("QLinearGlobalAveragePool") == 1
+    assert not report.fusion.float_compute
+    # the integer pool rounds its int32 sum once; the eager model rounds the float mean: at most one step apart
+    assert report.outputs[0].max_diff_steps <= 1.0 and report.argmax_agreement == 1.0, str(report)
+
+
+def _mean_graph(keepdims: int) -> onnx.ModelProto:
+    inits = [numpy_helper.from_array(np.float32(0.02), "s"), numpy_helper.from_array(np.uint8(3), "z"),
+             numpy_helper.from_array(np.float32(0.01), "so"), numpy_helper.from_array(np.uint8(0), "zo"),
+             numpy_helper.from_array(np.array([-2, -1], np.int64), "axes")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+        helper.make_node("ReduceMean", ["xd", "axes"], ["m"], keepdims=keepdims),
+        helper.make_node("QuantizeLinear", ["m", "so", "zo"], ["mq"]),
+        helper.make_node("DequantizeLinear", ["mq", "so", "zo"], ["y"]),
+    ]
+    out_shape = ["N", 6, 1, 1] if keepdims else ["N", 6]
+    graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6, 5, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits,
+                              value_info=[helper.make_tensor_value_info("xd", TensorProto.FLOAT, ["N", 6, 5, 5])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("keepdims", [1, 0])
+def test_spatial_reduce_mean_becomes_global_average_pool_with_the_same_shape(keepdims: int) -> None:
+    model = _mean_graph(keepdims)
+    before = onnx.ModelProto()
+    before.CopyFrom(model)
+    assert reduce_mean_to_global_average_pool(model) == 1
+    onnx.checker.check_model(model, full_check=True)
+    x = np.random.default_rng(0).random((3, 6, 5, 5)).astype(np.float32) * 4
+    (expected,), (got,) = run(before, {"x": x}), run(model, {"x": x})
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=0, atol=0.01 + 1e-7)  # same grid, at most one step apart
+    wrong_axes = _mean_graph(keepdims)
+    wrong_axes.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([1], np.int64), "axes"))
+    assert reduce_mean_to_global_average_pool(wrong_axes) == 0  # a channel mean is not a spatial pool
+
+
+def test_all_zero_int32_bias_is_dropped_and_a_nonzero_one_kept() -> None:
+    model = conv_qdq_model()
+    fold_quantized_weights(model)
+    assert drop_zero_biases(model) == 0  # random bias: kept
+    zero = conv_qdq_model()
+    for init in zero.graph.initializer:
+        if init.name == "conv.bias":
+            init.CopyFrom(numpy_helper.from_array(np.zeros(8, np.float32), "conv.bias"))
+    fold_quantized_weights(zero)
+    before = onnx.ModelProto()
+    before.CopyFrom(zero)
+    assert drop_zero_biases(zero) == 1
+    conv = next(n for n in zero.graph.node if n.op_type == "Conv")
+    assert len(conv.input) == 2
+    assert not [t for t in zero.graph.initializer if t.data_type == TensorProto.INT32]  # its initializer is gone
+    x = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_array_equal(run(zero, {"x": x})[0], run(before, {"x": x})[0])
