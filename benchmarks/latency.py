@@ -1,7 +1,9 @@
 """Interleaved onnxruntime latency measurement: every variant is timed in alternation, median of all rounds.
 
 Timing the variants one after another on a shared machine mixes machine noise into the comparison; alternating
-them round by round keeps the ratios (ours / peer, fp32 / int8) meaningful even when absolute times drift.
+them round by round keeps the ratios (ours / peer, fp32 / int8) meaningful even when absolute times drift. One
+session is also one memory placement of the weights and buffers, which can make two identical graphs differ by a
+few percent for a whole run; the rounds are therefore spread over several fresh sessions per variant.
 """
 
 from __future__ import annotations
@@ -27,24 +29,31 @@ class Timing:
 
 
 def measure(
-    models: Mapping[str, Path], feed: np.ndarray, *, threads: int, rounds: int, runs_per_round: int, warmup: int = 3
+    models: Mapping[str, Path], feed: np.ndarray, *, threads: int, rounds: int, runs_per_round: int, warmup: int = 3,
+    session_sets: int = 3,
 ) -> dict[str, Timing]:
-    """Time each ONNX model in ``models`` on ``feed``, interleaving variants round by round."""
-    sessions = {label: session(path, threads) for label, path in models.items()}
-    names = {label: s.get_inputs()[0].name for label, s in sessions.items()}
-    for label, sess in sessions.items():
-        for _ in range(warmup):
-            sess.run(None, {names[label]: feed})
-    samples: dict[str, list[float]] = {label: [] for label in sessions}
-    labels = list(sessions)
-    for r in range(rounds):
-        order = labels[r % len(labels) :] + labels[: r % len(labels)]  # rotate who goes first
-        for label in order:
-            sess, inputs = sessions[label], {names[label]: feed}
-            for _ in range(runs_per_round):
-                start = time.perf_counter()
-                sess.run(None, inputs)
-                samples[label].append((time.perf_counter() - start) * 1e3)
+    """Time each ONNX model in ``models`` on ``feed``, interleaving variants round by round.
+
+    The ``rounds`` are split over ``session_sets`` fresh sessions per variant (each warmed up ``warmup`` runs).
+    """
+    labels = list(models)
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    sets = max(1, min(session_sets, rounds))
+    for index in range(sets):
+        sessions = {label: session(path, threads) for label, path in models.items()}
+        names = {label: s.get_inputs()[0].name for label, s in sessions.items()}
+        for label, sess in sessions.items():
+            for _ in range(warmup):
+                sess.run(None, {names[label]: feed})
+        for r in range(rounds * index // sets, rounds * (index + 1) // sets):
+            order = labels[r % len(labels) :] + labels[: r % len(labels)]  # rotate who goes first
+            for label in order:
+                sess, inputs = sessions[label], {names[label]: feed}
+                for _ in range(runs_per_round):
+                    start = time.perf_counter()
+                    sess.run(None, inputs)
+                    samples[label].append((time.perf_counter() - start) * 1e3)
+        del sessions
     return {
         label: Timing(statistics.median(s), float(np.percentile(s, 90)), len(s)) for label, s in samples.items()
     }

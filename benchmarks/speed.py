@@ -194,8 +194,8 @@ def run(settings: Settings) -> SectionResult:
     section.tables += [issue4, latency, fused]
     section.notes += [
         f"Each cell: median of {settings.latency_rounds} interleaved rounds × {settings.latency_runs_per_round} runs "
-        "per variant, after 3 warm-up runs; one CPUExecutionProvider session per variant, intra_op_num_threads as "
-        "shown, "
+        "per variant, spread over 3 fresh CPUExecutionProvider sessions per variant (3 warm-up runs each; one "
+        "session's memory placement can shift a whole run by a few percent), intra_op_num_threads as shown, "
         "sequential execution, all graph optimisations. Weights random (seeded); calibration on the same random "
         "batches for ours and every peer.",
         "Ours = co.QuantizerConfig.presets.w8a8() → prepare → calibrate → convert → co.export_onnx; ours dynamic "
