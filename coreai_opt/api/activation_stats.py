@@ -15,15 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from coreai_opt.api.batches import as_call
+
 __all__ = ["LayerOutliers", "input_absmax", "outlier_rows", "outlier_table"]
-
-
-def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, Tensor):
-        return (batch,), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    return tuple(batch), {}
 
 
 def input_absmax(model: nn.Module, data: Iterable[Any]) -> dict[str, Tensor]:
@@ -49,7 +43,7 @@ def input_absmax(model: nn.Module, data: Iterable[Any]) -> dict[str, Tensor]:
     try:
         with torch.no_grad():
             for batch in data:
-                args, kwargs = _as_call(batch)
+                args, kwargs = as_call(batch)
                 model(*args, **kwargs)
                 count += 1
     finally:

@@ -33,22 +33,10 @@ from coreai_opt.api._state import (
     graph_meta,
     weight_quantizer_inputs,
 )
+from coreai_opt.api.batches import as_call
 from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
 
 __all__ = ["calibrate"]
-
-
-def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, torch.Tensor):
-        return (batch,), {}
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    raise TypeError(
-        f"calibration batches must be a tensor, a tuple/list of positional inputs or a dict of keyword inputs, "
-        f"got {type(batch).__name__}"
-    )
 
 
 def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -151,7 +139,7 @@ def calibrate(
             for batch in bar:
                 if max_batches is not None and count >= max_batches:
                     break
-                args, kwargs = _as_call(batch)
+                args, kwargs = as_call(batch)
                 _check_inputs(meta, args, kwargs)
                 try:
                     prepared(*args, **kwargs)

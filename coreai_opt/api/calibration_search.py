@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, fx
 
 from coreai_opt.api._state import fake_quantizers, graph_meta
+from coreai_opt.api.batches import as_call
 from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, FakeQuantize, StatefulQParamsCalculatorBase
@@ -64,14 +65,6 @@ class CalibrationSearchResult:
             cells = " | ".join(f"{c.errors[n] / base:.3f}" if n in c.errors else "—" for n in names)
             lines.append(f"| `{c.quantizer}` | **{c.chosen}** | {cells} |")
         return "\n".join(lines)
-
-
-def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, Tensor):
-        return (batch,), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    return tuple(batch), {}
 
 
 def _consumer_weights(gm: fx.GraphModule) -> dict[str, list[Tensor]]:
@@ -173,14 +166,14 @@ def search_calibration(prepared: fx.GraphModule, data: Iterable[Any], *,
             fq.enable_fake_quant(False)  # candidates see float inputs, as calibration does
         with torch.no_grad():
             for batch in batches:
-                args, kwargs = _as_call(batch)
+                args, kwargs = as_call(batch)
                 prepared(*args, **kwargs)
             for group in cands.values():
                 for cand in group.values():
                     cand.commit()
             phase["observe"] = False
             for batch in batches:
-                args, kwargs = _as_call(batch)
+                args, kwargs = as_call(batch)
                 prepared(*args, **kwargs)
     finally:
         for h in handles:

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from coreai_opt.api._state import fake_quantizers, graph_meta
+from coreai_opt.api.batches import as_call
 from coreai_opt.config.quantizer_config import OpConfig, QuantizerConfig
 from coreai_opt.passes.node_meta import get_meta
 from coreai_opt.passes.op_kinds import WEIGHTED_KINDS, OpKind
@@ -110,19 +111,11 @@ def layer_quantizers(prepared: fx.GraphModule) -> dict[str, tuple[str, ...]]:
     return {k: tuple(v) for k, v in layers.items()}
 
 
-def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, torch.Tensor):
-        return (batch,), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    return tuple(batch), {}
-
-
 def _outputs(model: fx.GraphModule, batches: Sequence[Any]) -> list[torch.Tensor]:
     outs = []
     with torch.no_grad():
         for batch in batches:
-            args, kwargs = _as_call(batch)
+            args, kwargs = as_call(batch)
             leaves = torch.utils._pytree.tree_leaves(model(*args, **kwargs))
             outs.append(torch.cat([t.detach().float().flatten() for t in leaves if isinstance(t, torch.Tensor)]))
     return outs

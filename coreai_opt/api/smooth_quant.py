@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from coreai_opt.api.batches import as_call
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.smooth_quant import SmoothingSite, apply_smoothing, find_sites
 from coreai_opt.quantization.spec import compute_qparams, get_dtype_info, quantize_dequantize
@@ -127,14 +128,6 @@ class _Recorder(fx.Interpreter):
         """Abs-max over one fold, or over both (``fold=None``; a fold without batches is skipped)."""
         folds = [self.absmax[f][name] for f in ((0, 1) if fold is None else (fold,)) if name in self.absmax[f]]
         return torch.stack(folds).amax(dim=0)
-
-
-def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, Tensor):
-        return (batch,), {}
-    if isinstance(batch, dict):
-        return (), dict(batch)
-    return tuple(batch), {}
 
 
 def _param(gm: fx.GraphModule, target: str) -> Tensor:
@@ -232,10 +225,10 @@ def smooth_quant(
     recorder = _Recorder(gm, {s.tensor for s in sites}, max_tokens if alpha == "search" else 0)
     with torch.no_grad():
         for index, batch in enumerate(batches):
-            args, kw = _as_call(batch)
+            args, kw = as_call(batch)
             recorder.fold = index % 2
             recorder.run(*args, *kw.values())
-        args, kw = _as_call(batches[0])
+        args, kw = as_call(batches[0])
         reference = torch.utils._pytree.tree_leaves(gm(*args, **kw))
     scales: dict[str, Tensor] = {}
     reports: list[SiteReport] = []
