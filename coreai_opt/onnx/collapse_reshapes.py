@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from coreai_opt.onnx.graph_index import readers_of
+from coreai_opt.onnx.graph_index import readers_of, remove_dead
 
 __all__ = ["collapse_reshapes"]
 
@@ -163,13 +163,6 @@ def collapse_reshapes(model: onnx.ModelProto) -> int:
                 removed += 1
                 changed = True
                 break
-    _drop_unused_initializers(model.graph)
+    remove_dead(model.graph)  # the shape constants of the removed reshapes
     return removed
 
-
-def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
-    used = {name for node in graph.node for name in node.input}
-    kept = [t for t in graph.initializer if t.name in used or t.name in {o.name for o in graph.output}]
-    if len(kept) != len(graph.initializer):
-        del graph.initializer[:]
-        graph.initializer.extend(kept)

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from coreai_opt.onnx.graph_index import producers_of
+from coreai_opt.onnx.graph_index import producers_of, remove_dead
 
 __all__ = ["drop_zero_biases"]
 
@@ -55,15 +55,5 @@ def drop_zero_biases(model: onnx.ModelProto) -> int:
             del node.input[index]
             dropped += 1
     if dropped:
-        graph_outputs = {o.name for o in graph.output}
-        while True:  # dangling DequantizeLinear nodes, then their initializers
-            used = {name for n in graph.node for name in n.input} | graph_outputs
-            dangling = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.output[0] not in used]
-            if not dangling:
-                break
-            for n in dangling:
-                graph.node.remove(n)
-        used = {name for n in graph.node for name in n.input} | graph_outputs
-        for tensor in [t for t in graph.initializer if t.name not in used]:
-            graph.initializer.remove(tensor)
+        remove_dead(graph)
     return dropped

@@ -26,16 +26,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.graph_index import producers_of
+from coreai_opt.onnx.graph_index import attributes_of, producers_of, remove_dead
 
 __all__ = ["fuse_dynamic_matmuls"]
-
-
-def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
 
 
 def _weight_from(name: str, producers: dict[str, onnx.NodeProto], inits: dict[str, np.ndarray],
@@ -43,7 +36,7 @@ def _weight_from(name: str, producers: dict[str, onnx.NodeProto], inits: dict[st
     """``(W_q as [K, N] int8, s_w of shape () or (N,))`` when ``name`` is a constant int8 symmetric weight."""
     node = producers.get(name)
     if node is not None and node.op_type == "Transpose":
-        if list(_attr(node, "perm", [1, 0])) != [1, 0]:
+        if list(attributes_of(node).get("perm", [1, 0])) != [1, 0]:
             return None
         transposed, node = not transposed, producers.get(node.input[0])
     if node is None or node.op_type != "DequantizeLinear" or node.input[0] not in inits or node.input[1] not in inits:
@@ -52,8 +45,8 @@ def _weight_from(name: str, producers: dict[str, onnx.NodeProto], inits: dict[st
     zero = inits.get(node.input[2]) if len(node.input) > 2 and node.input[2] else np.zeros((), np.int8)
     if w.dtype != np.int8 or w.ndim != 2 or zero is None or np.any(zero != 0) or scale.dtype != np.float32:
         return None
-    axis = int(_attr(node, "axis", 1)) % 2
-    if scale.size > 1 and _attr(node, "block_size", 0):
+    axis = int(attributes_of(node).get("axis", 1)) % 2
+    if scale.size > 1 and attributes_of(node).get("block_size", 0):
         return None
     if transposed:
         w = w.T
@@ -75,15 +68,16 @@ def fuse_dynamic_matmuls(model: onnx.ModelProto) -> int:
     rewritten = 0
     new_nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        gemm_ok = node.op_type == "Gemm" and _attr(node, "transA", 0) == 0 and _attr(node, "alpha", 1.0) == 1.0 \
-            and _attr(node, "beta", 1.0) == 1.0
+        attrs = attributes_of(node)
+        gemm_ok = node.op_type == "Gemm" and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0 \
+            and attrs.get("beta", 1.0) == 1.0
         if node.op_type != "MatMul" and not gemm_ok:
             new_nodes.append(node)
             continue
         dq = producers.get(node.input[0])
         dql = producers.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
         weight = _weight_from(node.input[1], producers, inits, transposed=node.op_type == "Gemm" and
-                              bool(_attr(node, "transB", 0)))
+                              bool(attrs.get("transB", 0)))
         if dql is None or dql.op_type != "DynamicQuantizeLinear" or weight is None or \
                 list(dq.input[1:3]) != list(dql.output[1:3]):
             new_nodes.append(node)
@@ -121,21 +115,6 @@ def fuse_dynamic_matmuls(model: onnx.ModelProto) -> int:
     if rewritten:
         del graph.node[:]
         graph.node.extend(new_nodes)
-        _remove_dead(graph)
+        remove_dead(graph)
     return rewritten
 
-
-def _remove_dead(graph: onnx.GraphProto) -> None:
-    outputs = {o.name for o in graph.output}
-    changed = True
-    while changed:
-        used = {i for n in graph.node for i in n.input} | outputs
-        keep = [n for n in graph.node if any(o in used for o in n.output)]
-        changed = len(keep) != len(graph.node)
-        if changed:
-            del graph.node[:]
-            graph.node.extend(keep)
-    used = {i for n in graph.node for i in n.input} | outputs
-    keep_inits = [i for i in graph.initializer if i.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(keep_inits)

@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.graph_index import readers_of
+from coreai_opt.onnx.graph_index import attributes_of, readers_of
 
 __all__ = ["fold_quantized_weights"]
 
@@ -47,10 +47,6 @@ _FLOAT8 = frozenset(np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.flo
 _INTEGER = frozenset(
     np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, ml_dtypes.int4, ml_dtypes.uint4)
 )
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _expand_qparam(param: np.ndarray, x: np.ndarray, axis: int, block_size: int) -> np.ndarray:
@@ -70,7 +66,7 @@ def _quantize_linear(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | None
     zero_point = inputs[2] if len(inputs) > 2 else None
     if x is None or scale is None or x.dtype != np.float32 or scale.dtype != np.float32:
         return None
-    attrs = _attrs(node)
+    attrs = attributes_of(node)
     axis, block_size = int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
     if zero_point is not None:
         out_dtype = zero_point.dtype
@@ -104,7 +100,7 @@ def _binary(fn: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[[onn
 
 def _cast(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | None:
     x = inputs[0]
-    target = np.dtype(helper.tensor_dtype_to_np_dtype(int(_attrs(node)["to"])))
+    target = np.dtype(helper.tensor_dtype_to_np_dtype(int(attributes_of(node)["to"])))
     if target in _INTEGER and x.dtype in _INTEGER | {np.dtype(np.int32), np.dtype(np.int64)}:
         info = ml_dtypes.iinfo(target)  # integer -> narrower integer (zero points): exact when in range
         values = x.astype(np.int64)
@@ -128,7 +124,8 @@ def _clip(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray:
 
 def _reshape(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray:
     x, shape = inputs
-    dims = [x.shape[i] if d == 0 and not _attrs(node).get("allowzero", 0) else int(d) for i, d in enumerate(shape)]
+    allow_zero = attributes_of(node).get("allowzero", 0)
+    dims = [x.shape[i] if d == 0 and not allow_zero else int(d) for i, d in enumerate(shape)]
     return x.reshape(dims)
 
 
@@ -171,7 +168,7 @@ class _ConstantFolder:
 
     def _evaluate(self, node: onnx.NodeProto) -> np.ndarray | None:
         if node.op_type == "Constant":
-            attrs = _attrs(node)
+            attrs = attributes_of(node)
             if "value" in attrs:
                 return numpy_helper.to_array(attrs["value"])
             for key, dtype in (("value_float", np.float32), ("value_floats", np.float32), ("value_int", np.int64),
@@ -223,7 +220,7 @@ def _remove_dead_nodes_and_initializers(graph: onnx.GraphProto) -> None:
 
 def _dequantize(node: onnx.NodeProto, q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None) -> np.ndarray:
     """DequantizeLinear in numpy: ``(q - z) * s`` with the integer difference exact and the product in float32."""
-    attrs = _attrs(node)
+    attrs = attributes_of(node)
     axis, block_size = int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
     s = _expand_qparam(scale, q, axis, block_size)
     z = 0.0 if zero_point is None else _expand_qparam(zero_point.astype(np.float64), q, axis, block_size)
@@ -283,7 +280,7 @@ def _fold_narrow_range_clamps(graph: onnx.GraphProto, folder: _ConstantFolder) -
             clamped = np.maximum(clamped, low.astype(np.float32))
         if high is not None:
             clamped = np.minimum(clamped, high.astype(np.float32))
-        attrs = _attrs(node)
+        attrs = attributes_of(node)
         axis, block_size = int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
         s = _expand_qparam(scale, q, axis, block_size).astype(np.float64)
         z = 0.0 if zero_point is None else _expand_qparam(zero_point.astype(np.float64), q, axis, block_size)
@@ -310,7 +307,7 @@ def _drop_zero_zero_points(graph: onnx.GraphProto, folder: _ConstantFolder) -> i
     for node in graph.node:
         if node.op_type != "DequantizeLinear" or len(node.input) < 3 or node.input[0] not in initializers:
             continue
-        if not int(_attrs(node).get("block_size", 0)):
+        if not int(attributes_of(node).get("block_size", 0)):
             continue
         zero_point = folder.value(node.input[2]) if node.input[2] else None
         if zero_point is None or zero_point.dtype not in _INTEGER or np.any(zero_point.astype(np.int64) != 0):

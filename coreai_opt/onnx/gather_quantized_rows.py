@@ -21,16 +21,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.graph_index import readers_of
+from coreai_opt.onnx.graph_index import attributes_of, readers_of
 
 __all__ = ["gather_quantized_rows"]
 
 #: Integer table types onnxruntime's Gather handles (4-bit types are packed two per byte, so they are left alone).
 _GATHERABLE = frozenset({TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16})
-
-
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
-    return next((int(helper.get_attribute_value(a)) for a in node.attribute if a.name == name), default)
 
 
 def _rewrite(
@@ -42,16 +38,16 @@ def _rewrite(
     zero_point = initializers.get(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
     if scale is None or (len(dq.input) > 2 and dq.input[2] and zero_point is None):
         return None
-    if len(table.dims) != 2 or table.data_type not in _GATHERABLE or _attr(dq, "block_size", 0):
+    if len(table.dims) != 2 or table.data_type not in _GATHERABLE or int(attributes_of(dq).get("block_size", 0)):
         return None
-    if gather.input[0] != dq.output[0] or _attr(gather, "axis", 0) != 0:
+    if gather.input[0] != dq.output[0] or int(attributes_of(gather).get("axis", 0)) != 0:
         return None
     prefix = f"{gather.name or gather.output[0]}_rows"
     indices, out = gather.input[1], gather.output[0]
     rows_q = f"{prefix}_quantized"
     nodes = [helper.make_node("Gather", [dq.input[0], indices], [rows_q], name=f"{prefix}_gather", axis=0)]
     per_tensor = int(np.prod(scale.dims)) == 1
-    axis = _attr(dq, "axis", 1) % 2
+    axis = int(attributes_of(dq).get("axis", 1)) % 2
     if per_tensor or axis == 1:
         nodes.append(helper.make_node("DequantizeLinear", [rows_q, *dq.input[1:]], [out], name=f"{prefix}_dequantize",
                                       axis=-1))

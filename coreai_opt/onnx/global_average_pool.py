@@ -18,7 +18,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper, numpy_helper
 
-from coreai_opt.onnx.graph_index import producers_of, readers_of
+from coreai_opt.onnx.graph_index import attributes_of, producers_of, readers_of, remove_dead
 
 __all__ = ["reduce_mean_to_global_average_pool"]
 
@@ -31,7 +31,7 @@ def _rank(graph: onnx.GraphProto, name: str) -> int | None:
 
 
 def _axes(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> list[int] | None:
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = attributes_of(node)
     if "axes" in attrs:  # opset < 18
         return [int(a) for a in attrs["axes"]]
     if len(node.input) > 1 and node.input[1] in initializers:
@@ -65,7 +65,7 @@ def reduce_mean_to_global_average_pool(model: onnx.ModelProto) -> int:
         axes = _axes(node, initializers)
         if axes is None or sorted(a % 4 for a in axes) != [2, 3]:
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = attributes_of(node)
         pooled = helper.make_node("GlobalAveragePool", [node.input[0]], [node.output[0]], name=f"{node.name}_pool")
         replaced[id(node)] = [pooled]
         if not int(attrs.get("keepdims", 1)):
@@ -73,8 +73,7 @@ def reduce_mean_to_global_average_pool(model: onnx.ModelProto) -> int:
             flat_input = f"{quantize.output[0]}_4d"
             replaced[id(quantize)] = [
                 helper.make_node("QuantizeLinear", [quantize.input[0], *quantize.input[1:]], [flat_input],
-                                 name=quantize.name, **{a.name: helper.get_attribute_value(a)
-                                                        for a in quantize.attribute}),
+                                 name=quantize.name, **attributes_of(quantize)),
                 helper.make_node("Flatten", [flat_input], [quantize.output[0]], name=f"{node.name}_flatten",
                                  axis=1),
             ]
@@ -89,9 +88,6 @@ def reduce_mean_to_global_average_pool(model: onnx.ModelProto) -> int:
     kept = [v for v in graph.value_info if v.name not in stale]
     del graph.value_info[:]
     graph.value_info.extend(kept)
-    used = {name for n in graph.node for name in n.input}
-    unused = [t for t in graph.initializer if t.name not in used and t.name not in graph_outputs]
-    for tensor in unused:
-        graph.initializer.remove(tensor)
+    remove_dead(graph)  # the axes constant
     return sum(1 for nodes in replaced.values() if nodes[0].op_type == "GlobalAveragePool")
 

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.graph_index import producers_of, readers_of
+from coreai_opt.onnx.graph_index import attributes_of, producers_of, readers_of, remove_dead
 
 __all__ = ["linears_to_gemm"]
 
@@ -76,10 +76,6 @@ class _Graph:
         return None if tensor is None else int(np.prod(tensor.dims))
 
 
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 def _per_tensor_8bit_dequantize(g: _Graph, node: onnx.NodeProto | None) -> bool:
     """``DequantizeLinear`` with constant scalar scale and 8-bit constant zero point (static activation quantizer)."""
     if node is None or node.op_type != "DequantizeLinear" or len(node.input) < 3:
@@ -87,7 +83,7 @@ def _per_tensor_8bit_dequantize(g: _Graph, node: onnx.NodeProto | None) -> bool:
     scale, zero_point = node.input[1], node.input[2]
     zp = g.initializers.get(zero_point)
     return (g.numel(scale) == 1 and zp is not None and zp.data_type in _EIGHT_BIT and g.numel(zero_point) == 1
-            and not _attrs(node).get("block_size"))
+            and not attributes_of(node).get("block_size"))
 
 
 def _weight_dequantize(g: _Graph, node: onnx.NodeProto | None) -> tuple[int, int] | None:
@@ -99,7 +95,7 @@ def _weight_dequantize(g: _Graph, node: onnx.NodeProto | None) -> tuple[int, int
         return None
     if weight.data_type not in _EIGHT_BIT or zero_point.data_type not in _EIGHT_BIT:
         return None
-    attrs = _attrs(node)
+    attrs = attributes_of(node)
     if attrs.get("block_size"):
         return None
     k, n = (int(d) for d in weight.dims)
@@ -181,7 +177,7 @@ def linears_to_gemm(model: onnx.ModelProto) -> int:
         flat_dq = f"{prefix}_x_2d_dq"
         before.append(helper.make_node(
             "DequantizeLinear", [flattened[key], *site.x_dequantize.input[1:]], [flat_dq],
-            name=f"{prefix}_x_dequantize", axis=int(_attrs(site.x_dequantize).get("axis", 1)),
+            name=f"{prefix}_x_dequantize", axis=int(attributes_of(site.x_dequantize).get("axis", 1)),
         ))
         gemm_out = f"{prefix}_y_2d"
         gemm_inputs = [flat_dq, site.matmul.input[1], *([site.bias] if site.bias else [])]
@@ -194,7 +190,7 @@ def linears_to_gemm(model: onnx.ModelProto) -> int:
             q = site.quantize
             q_2d = f"{prefix}_q_2d"
             before.append(helper.make_node("QuantizeLinear", [gemm_out, *q.input[1:]], [q_2d], name=f"{prefix}_q",
-                                           **{a.name: helper.get_attribute_value(a) for a in q.attribute}))
+                                           **attributes_of(q)))
             restored_from = q_2d
             _annotate(g, q_2d, _quantized_type(g, q), rows, site.out_features)
             removed.add(id(q))
@@ -211,7 +207,7 @@ def linears_to_gemm(model: onnx.ModelProto) -> int:
             rebuilt.append(node)
     del g.graph.node[:]
     g.graph.node.extend(_topologically_sorted(rebuilt, g))
-    _drop_orphan_dequantize(g.graph)
+    remove_dead(g.graph)  # e.g. the 3-D DequantizeLinear the rewritten MatMuls were the last readers of
     return len(sites)
 
 
@@ -271,13 +267,3 @@ def _topologically_sorted(nodes: list[onnx.NodeProto], g: _Graph) -> list[onnx.N
         pending = blocked
     return ordered
 
-
-def _drop_orphan_dequantize(graph: onnx.GraphProto) -> None:
-    """Remove the activation ``DequantizeLinear`` nodes the rewritten MatMuls were the last readers of."""
-    while True:
-        used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-        orphans = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.output[0] not in used]
-        if not orphans:
-            return
-        for node in orphans:
-            graph.node.remove(node)

@@ -17,13 +17,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from coreai_opt.onnx.graph_index import readers_of
+from coreai_opt.onnx.graph_index import attributes_of, readers_of
 
 __all__ = ["transpose_dequantized_weights"]
 
 
 def _axis(node: onnx.NodeProto) -> tuple[int, int]:
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = attributes_of(node)
     return int(attrs.get("axis", 1)), int(attrs.get("block_size", 0))
 
 
