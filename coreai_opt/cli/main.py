@@ -25,7 +25,7 @@ from importlib import metadata
 
 from coreai_opt.cli import demo, inspect_onnx, quantize, third_party_noise
 from coreai_opt.cli.console import Console
-from coreai_opt.cli.errors import EXIT_USAGE, one_line
+from coreai_opt.cli.errors import EXIT_OK, EXIT_USAGE, one_line
 
 _SUBCOMMANDS = (demo, quantize, inspect_onnx)
 TRUST_NOTE = (
@@ -109,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"coreai-opt {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (coreai-opt inspect m.onnx | head): not an error of ours
+        sys.stdout = None
+        return EXIT_OK
     except Exception as exc:  # noqa: BLE001 - every error becomes one line unless --debug
         if args.debug:
             raise
