@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 from pathlib import Path, PurePosixPath
 
@@ -82,9 +83,10 @@ def _restricted_load(data: bytes, member: str, path: Path) -> None:
     try:
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        detail = one_line(exc).split(" Check the documentation")[0]
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        detail = f" (it calls {found.group(1)})" if found else ""
         raise CliError(
-            f"refusing {path}: {member} needs an unrestricted unpickle, which could run code ({detail[:200]}); "
+            f"refusing {path}: {_relative(member)} needs an unrestricted unpickle, which could run code{detail}; "
             f"{_FIX}"
         ) from None
     except Exception as exc:  # noqa: BLE001 - a damaged member raises many types
