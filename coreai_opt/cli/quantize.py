@@ -131,9 +131,6 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batches is not None:
         batches = batches[: args.max_batches]
     check_inputs_fit(model, batches[0], names)
-    if calibration.startswith("random"):
-        console.warn(f"no calibration data: calibrating on {calibration}; the export is checked but the accuracy "
-                     "of this model means nothing")
 
     progress = console.progress and not args.no_progress
     tuning_notes: dict[str, Any] = {}
@@ -146,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
         tuning_notes["kept float (most sensitive first)"] = kept
     prepared = co.prepare(model, config, batches[0], capture=capture)
     opset = check_opset_for_model(args.opset, prepared, console)
+    if calibration.startswith("random"):
+        console.warn(f"no calibration data: calibrating on {calibration}; the export is checked but the accuracy "
+                     "of this model means nothing")
     co.calibrate(prepared, batches, progress=progress)
     if args.search_calibration:
         tuning_notes["range calculators chosen"] = tuning.search(prepared, batches)
