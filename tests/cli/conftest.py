@@ -16,6 +16,18 @@ CALIB_LINES = ["the cat sat on the mat", "a very good movie", "the dog is bad", 
 SEQ_LEN = 16
 
 
+def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run ``coreai-opt ARGV`` in-process; assert exit code 2 and exactly one stderr line; return that line."""
+    from coreai_opt.cli.main import main
+
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, f"expected one line on stderr, got:\n{err}"
+    return lines[0]
+
+
 @contextmanager
 def _no_progress_bars():
     """save_pretrained draws a "Writing model shards" bar on stderr; the tests read stderr."""

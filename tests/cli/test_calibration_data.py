@@ -14,6 +14,7 @@ from coreai_opt.cli.calibration_data import bind_to_forward
 from coreai_opt.cli.errors import CliError
 from coreai_opt.cli.input_specs import InputSpec, parse_input_spec, random_inputs
 from coreai_opt.cli.main import main
+from tests.cli.conftest import one_line_error
 
 TOKEN_MODEL = textwrap.dedent(
     """
@@ -46,14 +47,6 @@ def token_model(tmp_path):
     return f"{path}:make"
 
 
-def _error(capsys, *argv: str) -> str:
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1, err
-    return err.strip()
-
-
 def test_npz_keys_bind_by_forward_name_whatever_the_stored_order(capsys, tmp_path, token_model):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 50, (16, 6)).astype(np.int64)
@@ -84,20 +77,20 @@ def test_npz_keys_bind_by_forward_name_whatever_the_stored_order(capsys, tmp_pat
 
 def test_npz_with_unknown_names_lists_them_and_the_forward_arguments(capsys, tmp_path, token_model):
     np.savez(tmp_path / "abcd.npz", **{k: np.zeros((4, 6), np.int64) for k in "abcd"})
-    line = _error(capsys, "quantize", token_model, "--calib-data", str(tmp_path / "abcd.npz"))
+    line = one_line_error(capsys, "quantize", token_model, "--calib-data", str(tmp_path / "abcd.npz"))
     assert ("has inputs a, b, c, d that are not forward() arguments; the model takes input_ids, attention_mask, "
             "token_type_ids; rename them") in line
 
 
 def test_npz_missing_a_required_argument_is_refused(capsys, tmp_path, token_model):
     np.savez(tmp_path / "ids.npz", input_ids=np.zeros((4, 6), np.int64))
-    line = _error(capsys, "quantize", token_model, "--calib-data", str(tmp_path / "ids.npz"))
+    line = one_line_error(capsys, "quantize", token_model, "--calib-data", str(tmp_path / "ids.npz"))
     assert "lacks the required forward() argument(s) attention_mask" in line
 
 
 def test_npz_skipping_an_argument_before_a_given_one_is_refused(capsys, tmp_path, token_model):
     np.savez(tmp_path / "gap.npz", input_ids=np.zeros((4, 6), np.int64), token_type_ids=np.zeros((4, 6), np.int64))
-    line = _error(capsys, "quantize", token_model, "--calib-data", str(tmp_path / "gap.npz"))
+    line = one_line_error(capsys, "quantize", token_model, "--calib-data", str(tmp_path / "gap.npz"))
     assert "gives token_type_ids but not attention_mask, which forward() takes before it" in line
 
 
@@ -117,7 +110,7 @@ def test_unnamed_npz_arrays_bind_by_position_and_too_many_are_refused():
 
 
 def test_float_data_for_token_ids_is_a_dtype_error_naming_the_int64_fix(capsys, token_model):
-    line = _error(capsys, "quantize", token_model, "--input", "input_ids:float32:2,6", "--input",
+    line = one_line_error(capsys, "quantize", token_model, "--input", "input_ids:float32:2,6", "--input",
                   "attention_mask:int64:2,6:1-1")
     assert line.startswith("coreai-opt quantize: error: dtype mismatch: the model rejects the calibration inputs "
                            "(input_ids float32, attention_mask int64)")

@@ -10,11 +10,11 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from torch import nn
 
 from coreai_opt.cli.main import main
+from tests.cli.conftest import one_line_error
 
 
 class _Net(nn.Module):
@@ -26,19 +26,10 @@ class _Net(nn.Module):
         return self.fc(x)
 
 
-def _one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def test_state_dict_file_says_what_it_is_and_how_to_pass_the_model(capsys, tmp_path):
     path = tmp_path / "cnn_state.pt"
     torch.save(_Net().state_dict(), path)
-    line = _one_line_error(capsys, "quantize", str(path), "--input-shape", "2,4")
+    line = one_line_error(capsys, "quantize", str(path), "--input-shape", "2,4")
     assert f"{path} is not TorchScript: it is a state_dict (2 tensors, e.g. 'fc.weight')" in line
     assert "m.load_state_dict(torch.load(" in line and "coreai-opt quantize file.py:make_model" in line
     assert "constants.pkl" not in line and "corrupted" not in line
@@ -47,7 +38,7 @@ def test_state_dict_file_says_what_it_is_and_how_to_pass_the_model(capsys, tmp_p
 def test_pickled_model_file_is_named_and_never_unpickled(capsys, tmp_path):
     path = tmp_path / "cnn_model.pt"
     torch.save(_Net(), path)
-    line = _one_line_error(capsys, "quantize", str(path), "--input-shape", "2,4")
+    line = one_line_error(capsys, "quantize", str(path), "--input-shape", "2,4")
     assert f"{path} is not TorchScript: it is a pickled Python object (tests.cli.test_model_files._Net)" in line
     assert "does not unpickle it, since unpickling runs arbitrary code" in line
     assert "file.py:make_model" in line
@@ -67,7 +58,7 @@ def test_module_factory_imports_from_the_working_directory(capsys, tmp_path, mon
 
 def test_missing_module_names_the_working_directory(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    line = _one_line_error(capsys, "quantize", "no_such_model_module:make", "--input-shape", "2,4")
+    line = one_line_error(capsys, "quantize", "no_such_model_module:make", "--input-shape", "2,4")
     assert f"cannot import module 'no_such_model_module' (looked in the working directory {tmp_path}" in line
 
 
@@ -97,7 +88,7 @@ class _MakesADirectory:
 def test_pt2_that_needs_an_unrestricted_unpickle_is_refused_before_any_code_runs(capsys, tmp_path):
     marker = tmp_path / "code_ran"
     evil = _pt2_with_sample_inputs(tmp_path / "evil.pt2", ((_MakesADirectory(marker),), {}))
-    line = _one_line_error(capsys, "quantize", str(evil), "--input-shape", "3,4")
+    line = one_line_error(capsys, "quantize", str(evil), "--input-shape", "3,4")
     assert (f"refusing {evil}: data/sample_inputs/model.pt needs an unrestricted unpickle, which could run code "
             "(it calls os.makedirs)") in line
     assert not marker.exists()
@@ -120,5 +111,5 @@ def test_pt2_with_plain_tensor_sample_inputs_still_loads(capsys, tmp_path):
 def test_non_zip_pt2_is_refused(capsys, tmp_path):
     path = tmp_path / "junk.pt2"
     path.write_bytes(b"not a zip")
-    line = _one_line_error(capsys, "quantize", str(path), "--input-shape", "3,4")
+    line = one_line_error(capsys, "quantize", str(path), "--input-shape", "3,4")
     assert "is not a torch.export archive (not a zip file)" in line

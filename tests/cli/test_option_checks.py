@@ -9,6 +9,7 @@ import coreai_opt
 from coreai_opt.cli.main import main
 from coreai_opt.cli.quantize import PRESET_NAMES
 from coreai_opt.config import QuantizerConfig
+from tests.cli.conftest import one_line_error
 
 GELU_MODEL = """
 import torch
@@ -37,16 +38,8 @@ def no_calibration(monkeypatch):
     monkeypatch.setattr(coreai_opt, "calibrate", refuse)
 
 
-def _error(capsys, *argv: str) -> str:
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert len(err.strip().splitlines()) == 1, err
-    return err.strip()
-
-
 def test_opset_out_of_range_names_the_models_real_need(capsys, gelu_model, no_calibration):
-    line = _error(capsys, "quantize", gelu_model, "--input-shape", "2,64", "--opset", "17")
+    line = one_line_error(capsys, "quantize", gelu_model, "--input-shape", "2,64", "--opset", "17")
     assert line == ("coreai-opt quantize: error: --opset 17 is not supported: coreai-opt writes opsets 18 to 23, and "
                     "this model exports best with 20 (its GELU exports as one Gelu op from 20); pass --opset 20 or "
                     "leave --opset out")
@@ -54,7 +47,7 @@ def test_opset_out_of_range_names_the_models_real_need(capsys, gelu_model, no_ca
 
 
 def test_opset_too_low_for_int4_blocks_names_the_quantizer_and_the_fix(capsys, gelu_model, no_calibration):
-    line = _error(capsys, "quantize", gelu_model, "--input-shape", "2,64", "--preset", "w4a8", "--opset", "20")
+    line = one_line_error(capsys, "quantize", gelu_model, "--input-shape", "2,64", "--preset", "w4a8", "--opset", "20")
     assert "--opset 20 is too low for this model: its int4 per-block quantizer" in line
     assert "needs opset 21; pass --opset 21 or leave --opset out (then 21 is used)" in line
 
@@ -73,14 +66,14 @@ def test_opset_below_the_gelu_opset_warns_and_exports(capsys, gelu_model, tmp_pa
 
 def test_output_path_that_is_a_directory_fails_before_the_model_loads(capsys, tmp_path, no_calibration):
     (tmp_path / "out.onnx").mkdir()
-    line = _error(capsys, "quantize", "no_such_module_at_all:make", "--input-shape", "2,4",
+    line = one_line_error(capsys, "quantize", "no_such_module_at_all:make", "--input-shape", "2,4",
                   "-o", str(tmp_path / "out.onnx"))
     assert f"output path {tmp_path / 'out.onnx'} is a directory" in line
 
 
 def test_output_under_a_file_fails_before_the_model_loads(capsys, tmp_path, no_calibration):
     (tmp_path / "file").write_text("x")
-    line = _error(capsys, "quantize", "no_such_module_at_all:make", "--input-shape", "2,4",
+    line = one_line_error(capsys, "quantize", "no_such_module_at_all:make", "--input-shape", "2,4",
                   "-o", str(tmp_path / "file" / "sub" / "m.onnx"))
     assert f"{tmp_path / 'file'} is a file, not a directory" in line
 
@@ -88,13 +81,14 @@ def test_output_under_a_file_fails_before_the_model_loads(capsys, tmp_path, no_c
 @pytest.mark.parametrize(("flag", "value"), [("--batch-size", "0"), ("--max-batches", "0"),
                                              ("--keep-float-top", "0"), ("--latency-runs", "-1")])
 def test_numeric_options_are_checked_first(capsys, flag, value, no_calibration):
-    line = _error(capsys, "quantize", "no_such_module_at_all:make", "--input-shape", "2,4", flag, value)
+    line = one_line_error(capsys, "quantize", "no_such_module_at_all:make", "--input-shape", "2,4", flag, value)
     assert f"{flag} must be >=" in line
 
 
 def test_two_calibration_sources_are_refused(capsys, tmp_path, no_calibration):
     np.savez(tmp_path / "x.npz", np.zeros((4, 4), np.float32))
-    line = _error(capsys, "quantize", "m:make", "--calib-data", str(tmp_path / "x.npz"), "--input", "x:float32:2,4")
+    line = one_line_error(capsys, "quantize", "m:make", "--calib-data", str(tmp_path / "x.npz"),
+                          "--input", "x:float32:2,4")
     assert "give one calibration source, got --calib-data and --input" in line
 
 
