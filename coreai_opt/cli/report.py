@@ -155,7 +155,7 @@ def legend() -> str:
 
 
 def _kib(n: int) -> str:
-    return f"{n / 1024:.1f} KiB"
+    return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.2f} MiB"
 
 
 def _tuning_text(value: Any) -> str:

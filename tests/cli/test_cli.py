@@ -465,6 +465,11 @@ def test_demo_int8_matches_float_and_onnxruntime_agrees(capsys, tmp_path, monkey
     assert re.search(r"latency fp32 -> int8 .*\| [0-9.]+ ms -> [0-9.]+ ms", out)
     assert (tmp_path / "demo" / "digits_cnn.int8.onnx").is_file()
     assert (tmp_path / "demo" / "digits_cnn.fp32.onnx").is_file()
+    # the README quotes docs/snippets/demo_table.txt: a fresh run prints the same numbers (latency aside)
+    snippet = (Path(__file__).resolve().parents[2] / "docs" / "snippets" / "demo_table.txt").read_text()
+    rows = [line for line in snippet.splitlines() if line.startswith("| ") and "latency" not in line]
+    printed = out.splitlines()
+    assert rows and all(row in printed for row in rows), f"stale demo snippet; fresh run:\n{out}"
 
     # the trained weights were cached; loading them gives the same network without training
     cache_file = tmp_path / "cache" / demo.CACHE_FILE
