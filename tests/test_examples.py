@@ -107,7 +107,7 @@ def test_readme_quantizes_a_bert_directory_in_one_command(tmp_path):
     (tmp_path / "calib.txt").write_text("\n".join(CALIB_LINES) + "\n")
     result = _cli(command, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stderr == ""
+    assert result.stderr == ""  # allowed lines: none (no torch / onnxscript / transformers warning or bar)
     assert "ok=True" in result.stdout and "QGemm x14" in result.stdout
     assert (tmp_path / "my-bert.w8a8.onnx").is_file()
 
@@ -117,7 +117,9 @@ def test_readme_quantizes_the_cnn_factory_in_one_command_as_quoted(tmp_path):
     (tmp_path / "examples").symlink_to(EXAMPLES)
     result = _cli(command, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stderr.startswith("warning: no calibration data: calibrating on random normal data")
+    assert result.stderr.splitlines() == [  # allowed lines: our random-data warning only
+        "warning: no calibration data: calibrating on random normal data of shape (1, 3, 64, 64) (8 batches); the "
+        "export is checked but the accuracy of this model means nothing"]
     # the README quotes docs/snippets/quantize_cnn.txt: the same output, latency aside
     snippet = (EXAMPLES.parent / "docs" / "snippets" / "quantize_cnn.txt").read_text()
     expected = [line for line in snippet.splitlines() if not line.lstrip().startswith("latency")]

@@ -1,4 +1,7 @@
-"""Calibration inputs of ``coreai-opt quantize``: read from a file, bound to ``forward()`` by name.
+"""Calibration inputs of ``coreai-opt quantize``: where they come from, and how they bind to ``forward()`` by name.
+
+Sources (one per run): a data file, ``--input`` specs or ``--input-shape`` (random data), or for a Hugging Face
+directory ``--calib-text`` / ``--calib-images`` (or random token ids / pixels without either).
 
 * ``.npz``: arrays saved by name (``np.savez(f, input_ids=..., attention_mask=...)``) bind to the forward()
   arguments of those names, in forward() order, whatever order the file stores them in. Arrays saved without
@@ -12,16 +15,20 @@ missing required argument.
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from coreai_opt.cli.errors import CliError, one_line
+from coreai_opt.cli.input_specs import random_inputs
+from coreai_opt.cli.model_files import LoadedModel, forward_inputs
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["read_named_tensors", "bind_to_forward", "check_sample_counts"]
+__all__ = ["read_named_tensors", "bind_to_forward", "check_sample_counts", "check_data_sources",
+           "check_hf_only_options", "build_samples"]
 
 _POSITIONAL_KEY = re.compile(r"arr_(\d+)")
 
@@ -141,3 +148,100 @@ def check_sample_counts(tensors: tuple[torch.Tensor, ...], names: tuple[str, ...
         shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True))
         raise CliError(f"shape mismatch in {source}: every input needs the same number of samples first, got "
                        f"{shapes}")
+
+
+def check_data_sources(args: argparse.Namespace) -> None:
+    """Refuse two data sources at once and missing data files or folders, before the model loads."""
+    given = [flag for flag, value in (("--calib-data", args.calib_data), ("--input", args.inputs),
+                                      ("--calib-text", args.calib_text), ("--calib-images", args.calib_images))
+             if value]
+    if len(given) > 1:
+        raise CliError(f"give one calibration source, got {' and '.join(given)}")
+    if args.inputs and args.input_shape is not None:
+        raise CliError("--input-shape describes a single float input; with --input give every input as "
+                       "NAME:DTYPE:SHAPE[:LOW-HIGH] instead")
+    if args.calib_data is not None and not args.calib_data.is_file():
+        raise CliError(f"calibration data not found: {args.calib_data}")
+    if args.calib_text is not None and not args.calib_text.is_file():
+        raise CliError(f"calibration text file not found: {args.calib_text}")
+    if args.calib_images is not None and not args.calib_images.is_dir():
+        raise CliError(f"calibration image folder not found: {args.calib_images}")
+
+
+def check_hf_only_options(args: argparse.Namespace, loaded: LoadedModel) -> None:
+    """Refuse --calib-text / --calib-images / --seq-len for a model that is not a Hugging Face directory."""
+    if loaded.kind == "huggingface":
+        return
+    for flag, value in (("--calib-text", args.calib_text), ("--calib-images", args.calib_images),
+                        ("--seq-len", args.seq_len)):
+        if value is not None:
+            raise CliError(f"{flag} works with a Hugging Face save_pretrained directory; for {args.model} use "
+                           "--calib-data FILE or --input NAME:DTYPE:SHAPE[:LOW-HIGH]")
+
+
+def build_samples(args: argparse.Namespace, loaded: LoadedModel, *, random_batches: int, random_text_samples: int
+                  ) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...], str]:
+    """Calibration samples in forward() order, their input names and a description of where they came from.
+
+    Args:
+        args: The parsed ``quantize`` arguments (the data options and ``seed``).
+        loaded: The model; its forward() names the inputs.
+        random_batches: Batches of random data made from ``--input`` / ``--input-shape``.
+        random_text_samples: Samples of random data for a Hugging Face model without calibration files.
+
+    Raises:
+        CliError: No data source, unreadable data, or data that does not match the model's forward().
+    """
+    import torch
+
+    forward = forward_inputs(loaded.module)
+    hf = loaded.pretrained
+    if args.calib_data is not None:
+        names, tensors = read_named_tensors(args.calib_data)
+        labels = tuple(names or (f"array {i}" for i in range(len(tensors))))
+        check_sample_counts(tensors, labels, str(args.calib_data))
+        tensors, bound = bind_to_forward(names, tensors, forward, str(args.calib_data))
+        if args.input_shape is not None and tuple(tensors[0].shape[1:]) != tuple(args.input_shape[1:]):
+            raise CliError(f"shape mismatch: {args.calib_data} has samples of shape {tuple(tensors[0].shape[1:])} "
+                           f"but --input-shape gives {tuple(args.input_shape[1:])}")
+        return tensors, bound, f"{args.calib_data} ({len(tensors[0])} samples)"
+    if args.inputs:
+        names = [spec.name for spec in args.inputs]
+        if len(set(names)) != len(names):
+            raise CliError(f"--input names repeat: {', '.join(names)}; give each input once")
+        try:
+            tensors = random_inputs(args.inputs, random_batches, seed=args.seed)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        tensors, bound = bind_to_forward(names, tensors, forward, "--input")
+        return tensors, bound, f"random data from --input ({random_batches} batches)"
+    if hf is not None:
+        return _pretrained_samples(args, hf, random_text_samples)
+    if args.input_shape is None:
+        raise CliError("give --calib-data FILE (.npz or .pt), --input NAME:DTYPE:SHAPE[:LOW-HIGH] or --input-shape "
+                       "(e.g. 1,3,224,224)")
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.input_shape[0] * random_batches, *args.input_shape[1:])
+    tensors, bound = bind_to_forward(None, (torch.randn(shape, generator=generator),), forward,
+                                                      "--input-shape")
+    return tensors, bound, f"random normal data of shape {args.input_shape} ({random_batches} batches)"
+
+
+def _pretrained_samples(args: argparse.Namespace, hf: Any, random_text_samples: int
+                        ) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...], str]:
+    from coreai_opt.huggingface import IMAGE_SUFFIXES
+
+    try:
+        if args.calib_text is not None:
+            lines = [line for line in args.calib_text.read_text(encoding="utf-8").splitlines() if line.strip()]
+            return hf.text_inputs(lines), hf.input_names, f"{args.calib_text} ({len(lines)} lines, {hf.seq_len} tokens)"
+        if args.calib_images is not None:
+            files = sorted(p for p in args.calib_images.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            if not files:
+                raise CliError(f"{args.calib_images} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+            return hf.image_inputs(files), hf.input_names, f"{args.calib_images} ({len(files)} images)"
+    except (ValueError, OSError) as exc:
+        raise CliError(one_line(exc)) from None
+    what = f"{hf.seq_len} random token ids in [0, {hf.vocab_size})" if hf.modality == "text" else "random pixels"
+    return hf.random_inputs(random_text_samples, seed=args.seed), hf.input_names, \
+        f"random data ({random_text_samples} samples of {what})"

@@ -24,10 +24,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreai_opt.cli import calibration_data, input_specs, measurements, tuning
+from coreai_opt.cli import input_specs, measurements, tuning
+from coreai_opt.cli.calibration_data import build_samples, check_data_sources, check_hf_only_options
 from coreai_opt.cli.console import Console
 from coreai_opt.cli.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, CliError, one_line
-from coreai_opt.cli.model_files import EXPORT_SUFFIX, TORCHSCRIPT_SUFFIXES, LoadedModel, forward_inputs, load_model
+from coreai_opt.cli.model_files import EXPORT_SUFFIX, TORCHSCRIPT_SUFFIXES, load_model
 from coreai_opt.cli.option_checks import check_opset_for_model, check_output_path
 from coreai_opt.cli.report import QuantizeReport, Sizes, write_report
 
@@ -117,13 +118,14 @@ def run(args: argparse.Namespace) -> int:
     console: Console = getattr(args, "console", None) or Console()
     _check_numbers(args)
     config, config_name = load_config(args.preset, args.config)
-    _check_data_sources(args)
+    check_data_sources(args)
     output = args.output or Path(f"{default_model_name(args.model)}.{config_name}.onnx")
     check_output_path(output)
 
     loaded = load_model(args.model, seq_len=args.seq_len or DEFAULT_SEQ_LEN)
-    _check_hf_only_options(args, loaded)
-    samples, names, calibration = build_samples(args, loaded)
+    check_hf_only_options(args, loaded)
+    samples, names, calibration = build_samples(args, loaded, random_batches=RANDOM_BATCHES,
+                                                random_text_samples=RANDOM_TEXT_SAMPLES)
     model = loaded.ready(tuple(t[: args.batch_size] for t in samples))
     # Graphs loaded from TorchScript or .pt2 files may have a fixed batch size: calibrate in whole batches of it.
     static_batch = static_batch_size(model)
@@ -190,33 +192,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise CliError(f"{flag} must be >= {low}, got {value}")
 
 
-def _check_data_sources(args: argparse.Namespace) -> None:
-    given = [flag for flag, value in (("--calib-data", args.calib_data), ("--input", args.inputs),
-                                      ("--calib-text", args.calib_text), ("--calib-images", args.calib_images))
-             if value]
-    if len(given) > 1:
-        raise CliError(f"give one calibration source, got {' and '.join(given)}")
-    if args.inputs and args.input_shape is not None:
-        raise CliError("--input-shape describes a single float input; with --input give every input as "
-                       "NAME:DTYPE:SHAPE[:LOW-HIGH] instead")
-    if args.calib_data is not None and not args.calib_data.is_file():
-        raise CliError(f"calibration data not found: {args.calib_data}")
-    if args.calib_text is not None and not args.calib_text.is_file():
-        raise CliError(f"calibration text file not found: {args.calib_text}")
-    if args.calib_images is not None and not args.calib_images.is_dir():
-        raise CliError(f"calibration image folder not found: {args.calib_images}")
-
-
-def _check_hf_only_options(args: argparse.Namespace, loaded: LoadedModel) -> None:
-    if loaded.kind == "huggingface":
-        return
-    for flag, value in (("--calib-text", args.calib_text), ("--calib-images", args.calib_images),
-                        ("--seq-len", args.seq_len)):
-        if value is not None:
-            raise CliError(f"{flag} works with a Hugging Face save_pretrained directory; for {args.model} use "
-                           "--calib-data FILE or --input NAME:DTYPE:SHAPE[:LOW-HIGH]")
-
-
 def default_model_name(spec: str) -> str:
     """The short model name used in default output files (``dir/bert`` -> ``bert``, ``f.py:make`` -> ``make``)."""
     path = Path(spec)
@@ -250,67 +225,6 @@ def load_config(preset: str, config_path: Path | None) -> tuple[Any, str]:
     if preset not in names:
         raise CliError(f"unknown preset {preset!r}; choose one of: {', '.join(names)}")
     return QuantizerConfig.presets.get(preset)(), preset
-
-
-def build_samples(args: argparse.Namespace, loaded: LoadedModel) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...],
-                                                                           str]:
-    """Calibration samples in forward() order, their input names and a description of where they came from.
-
-    Raises:
-        CliError: No data source, unreadable data, or data that does not match the model's forward().
-    """
-    import torch
-
-    forward = forward_inputs(loaded.module)
-    hf = loaded.pretrained
-    if args.calib_data is not None:
-        names, tensors = calibration_data.read_named_tensors(args.calib_data)
-        labels = tuple(names or (f"array {i}" for i in range(len(tensors))))
-        calibration_data.check_sample_counts(tensors, labels, str(args.calib_data))
-        tensors, bound = calibration_data.bind_to_forward(names, tensors, forward, str(args.calib_data))
-        if args.input_shape is not None and tuple(tensors[0].shape[1:]) != tuple(args.input_shape[1:]):
-            raise CliError(f"shape mismatch: {args.calib_data} has samples of shape {tuple(tensors[0].shape[1:])} "
-                           f"but --input-shape gives {tuple(args.input_shape[1:])}")
-        return tensors, bound, f"{args.calib_data} ({len(tensors[0])} samples)"
-    if args.inputs:
-        names = [spec.name for spec in args.inputs]
-        if len(set(names)) != len(names):
-            raise CliError(f"--input names repeat: {', '.join(names)}; give each input once")
-        try:
-            tensors = input_specs.random_inputs(args.inputs, RANDOM_BATCHES, seed=args.seed)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        tensors, bound = calibration_data.bind_to_forward(names, tensors, forward, "--input")
-        return tensors, bound, f"random data from --input ({RANDOM_BATCHES} batches)"
-    if hf is not None:
-        return _pretrained_samples(args, hf)
-    if args.input_shape is None:
-        raise CliError("give --calib-data FILE (.npz or .pt), --input NAME:DTYPE:SHAPE[:LOW-HIGH] or --input-shape "
-                       "(e.g. 1,3,224,224)")
-    generator = torch.Generator().manual_seed(args.seed)
-    shape = (args.input_shape[0] * RANDOM_BATCHES, *args.input_shape[1:])
-    tensors, bound = calibration_data.bind_to_forward(None, (torch.randn(shape, generator=generator),), forward,
-                                                      "--input-shape")
-    return tensors, bound, f"random normal data of shape {args.input_shape} ({RANDOM_BATCHES} batches)"
-
-
-def _pretrained_samples(args: argparse.Namespace, hf: Any) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...], str]:
-    from coreai_opt.huggingface import IMAGE_SUFFIXES
-
-    try:
-        if args.calib_text is not None:
-            lines = [line for line in args.calib_text.read_text(encoding="utf-8").splitlines() if line.strip()]
-            return hf.text_inputs(lines), hf.input_names, f"{args.calib_text} ({len(lines)} lines, {hf.seq_len} tokens)"
-        if args.calib_images is not None:
-            files = sorted(p for p in args.calib_images.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-            if not files:
-                raise CliError(f"{args.calib_images} holds no images ({', '.join(IMAGE_SUFFIXES)})")
-            return hf.image_inputs(files), hf.input_names, f"{args.calib_images} ({len(files)} images)"
-    except (ValueError, OSError) as exc:
-        raise CliError(one_line(exc)) from None
-    what = f"{hf.seq_len} random token ids in [0, {hf.vocab_size})" if hf.modality == "text" else "random pixels"
-    return hf.random_inputs(RANDOM_TEXT_SAMPLES, seed=args.seed), hf.input_names, \
-        f"random data ({RANDOM_TEXT_SAMPLES} samples of {what})"
 
 
 def static_batch_size(model: nn.Module) -> int | None:
