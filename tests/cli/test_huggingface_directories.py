@@ -21,7 +21,10 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def test_from_pretrained_builds_the_task_head_and_tokenizer_inputs_in_forward_order(tiny_bert_dir):
-    hf = huggingface.from_pretrained(tiny_bert_dir, seq_len=SEQ_LEN)
+    import coreai_opt as co
+
+    assert co.from_pretrained is huggingface.from_pretrained  # the public name
+    hf = co.from_pretrained(tiny_bert_dir, seq_len=SEQ_LEN)
     assert hf.architecture == "BertForSequenceClassification"
     # the tokenizer yields input_ids, token_type_ids, attention_mask; forward() takes attention_mask second
     assert hf.input_names == ("input_ids", "attention_mask", "token_type_ids")
