@@ -6,7 +6,8 @@ Every public function is decorated with :func:`public_api`. An exception that es
   ``ValidationError`` of our models (its text is our validators' messages), or a ``ValueError`` /
   ``TypeError`` / ``RuntimeError`` / ``OSError`` raised by a ``raise`` statement in coreai_opt's own code
   (those messages name the problem and the fix, see ``docs/errors.md``);
-* passed through unchanged when it is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``);
+* passed through unchanged when it is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) or is a
+  warning turned into an error by a warnings filter (``-W error``);
 * otherwise **foreign** (raised inside torch, onnx, onnxruntime, Python itself, or the user's model or data
   iterator; or an internal slip such as a ``KeyError`` in our code): it is re-raised as the
   :class:`~coreai_opt.errors.UnexpectedError` subclass of its builtin family (``except IndexError`` still
@@ -67,7 +68,7 @@ def _raised_by_our_raise_statement(exc: BaseException) -> bool:
 
 def is_own_error(exc: BaseException) -> bool:
     """True when ``exc`` carries a coreai_opt message already (see the module docstring)."""
-    if isinstance(exc, (CoreaiOptError, ValidationError)) or not isinstance(exc, Exception):
+    if isinstance(exc, (CoreaiOptError, ValidationError, Warning)) or not isinstance(exc, Exception):
         return True
     return isinstance(exc, _DELIBERATE_FAMILIES) and _raised_by_our_raise_statement(exc)
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from coreai_opt.api._state import commit_weight_qparams, fake_quantizers
+from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
 from coreai_opt.api.unmatched_config import warn_unmatched_entries
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
@@ -126,7 +126,8 @@ def prepare(
     gm = insert_quantizers(gm).graph_module
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
-    warn_unmatched_entries(config, model, op_kinds, stacklevel=_USER_STACKLEVEL)
+    warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),
+                           stacklevel=_USER_STACKLEVEL)
     commit_weight_qparams(gm)
     for _, fq in fake_quantizers(gm):
         fq.enable_observer(qat)

@@ -94,8 +94,7 @@ def test_module_type_entry_matching_no_module_warns_at_prepare() -> None:
                                          r"of SmallCNN"):
         co.prepare(make_small_cnn(), config, (cnn_batches(1)[0],))
     _prepare_quietly(co.QuantizerConfig.presets.w8a8().set_module_type(nn.Conv2d, OpConfig(activation=None)))
-    _prepare_quietly(co.QuantizerConfig.presets.w8a8().set_module_type(nn.Module, None).set_module_type(
-        "torch.nn.Conv2d", None))  # a base class of the model's modules matches too
+    _prepare_quietly(co.QuantizerConfig.presets.w8a8().set_module_type(nn.Module, OpConfig()))  # a base class
 
 
 def test_op_kind_entry_matching_no_op_warns_at_prepare_listing_the_models_kinds() -> None:
@@ -111,3 +110,12 @@ def test_the_warning_points_at_the_users_prepare_line() -> None:
     with pytest.warns(UserWarning, match="op_kind") as record:
         co.prepare(make_small_cnn(), config, (torch.randn(2, 3, 8, 8),))
     assert Path(record[0].filename).name == Path(__file__).name
+
+
+def test_a_config_that_quantizes_nothing_warns() -> None:
+    with pytest.warns(UserWarning, match=r"the config quantizes nothing in SmallCNN: no weight or activation got a "
+                                         r"quantizer.*presets\.w8a8"):
+        co.prepare(make_small_cnn(), QuantizerConfig(), (cnn_batches(1)[0],))
+    with pytest.warns(UserWarning, match=r"op_kind key\(s\) \['linear'\] match no op of Sequential"):
+        co.prepare(nn.Sequential(nn.Conv2d(3, 4, 3)).eval(), co.QuantizerConfig.presets.w8a8_dynamic(),
+                   (cnn_batches(1)[0],))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,14 @@ def test_foreign_errors_are_wrapped_in_their_builtin_family_with_the_original_as
         lookup()
     assert isinstance(info.value, KeyError) and isinstance(info.value.__cause__, KeyError)
     assert info.value.stage == "looking up a key"
+
+
+def test_a_warning_turned_into_an_error_by_a_filter_is_not_wrapped() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="quantizes nothing") as info:
+            co.prepare(nn.Sequential(nn.Linear(2, 2)).eval(), co.QuantizerConfig(), (torch.randn(1, 2),))
+    assert type(info.value) is UserWarning
 
 
 def test_keyboard_interrupt_is_never_wrapped() -> None:
