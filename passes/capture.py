@@ -29,6 +29,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from coreai_opt.errors import CoreaiOptValueError
 from coreai_opt.passes.node_meta import META_KEY, NodeMeta, set_meta
 
 __all__ = ["capture", "CaptureError"]
@@ -39,8 +40,8 @@ _METHODS = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-class CaptureError(ValueError):
-    """Neither FX tracing nor torch.export could capture the model."""
+class CaptureError(CoreaiOptValueError):
+    """Neither FX tracing nor torch.export could capture the model (a ``ValueError``)."""
 
 
 class _LeafTracer(fx.Tracer):

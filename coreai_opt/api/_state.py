@@ -11,7 +11,16 @@ from torch import fx, nn
 from coreai_opt.passes.node_meta import META_KEY, Role, get_meta
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, StatefulQParamsCalculatorBase
 
-__all__ = ["graph_meta", "fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
+__all__ = [
+    "graph_meta",
+    "fake_quantizers",
+    "bias_quantizers",
+    "weight_quantizer_inputs",
+    "stale_weight_quantizers",
+    "commit_records",
+    "restore_commit_records",
+    "commit_weight_qparams",
+]
 
 
 def graph_meta(model: object, caller: str) -> dict[str, Any]:
@@ -67,6 +76,32 @@ def _unchanged_since_commit(fq: FakeQuantize, weight: torch.Tensor) -> bool:
             and fq.calculator.has_qparams)
 
 
+def stale_weight_quantizers(gm: fx.GraphModule, *, force: bool = False) -> list[tuple[FakeQuantize, torch.Tensor]]:
+    """The ``(weight quantizer, weight)`` pairs :func:`commit_weight_qparams` would recommit.
+
+    Stateful, not frozen, and (unless ``force``) not committed from this very weight unchanged since.
+    """
+    return [
+        (fq, weight) for fq, weight in weight_quantizer_inputs(gm)
+        if isinstance(fq.calculator, StatefulQParamsCalculatorBase) and not fq.export_mode
+        and (force or not _unchanged_since_commit(fq, weight))
+    ]
+
+
+def commit_records(quantizers: list[FakeQuantize]) -> dict[FakeQuantize, tuple[weakref.ref[torch.Tensor], int] | None]:
+    """Which weight (and weight version) each quantizer was last committed from; see :func:`restore_commit_records`."""
+    return {fq: _COMMITTED_FROM.get(fq) for fq in quantizers}
+
+
+def restore_commit_records(records: dict[FakeQuantize, tuple[weakref.ref[torch.Tensor], int] | None]) -> None:
+    """Put back records taken by :func:`commit_records` (a rolled-back calibration)."""
+    for fq, record in records.items():
+        if record is None:
+            _COMMITTED_FROM.pop(fq, None)
+        else:
+            _COMMITTED_FROM[fq] = record
+
+
 def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
     """Compute every weight quantizer's qparams from the current weight (no calibration data needed).
 
@@ -82,12 +117,8 @@ def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
     """
     count = 0
     with torch.no_grad():
-        for fq, weight in weight_quantizer_inputs(gm):
+        for fq, weight in stale_weight_quantizers(gm, force=force):
             calculator = fq.calculator
-            if not isinstance(calculator, StatefulQParamsCalculatorBase) or fq.export_mode:
-                continue
-            if not force and _unchanged_since_commit(fq, weight):
-                continue
             calculator.reset_statistics()
             calculator.observe(weight.detach())
             fq.commit()

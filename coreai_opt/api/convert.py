@@ -13,6 +13,8 @@ import copy
 from torch import fx
 
 from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.api.model_guard import check_model_idle
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
 from coreai_opt.passes.node_meta import META_KEY
 from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
@@ -20,6 +22,7 @@ from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
 __all__ = ["convert"]
 
 
+@public_api
 def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     """Return a frozen copy of ``prepared`` ready for ONNX export (``prepared`` is unchanged).
 
@@ -33,10 +36,12 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         TypeError: ``prepared`` was not produced by ``prepare``.
         ValueError: already converted, activation quantizers that were never calibrated, or stateless
             quantizers that cannot export (``DynamicFakeQuantize`` can); the quantizers are named.
+        CalibrationInProgressError: ``prepared`` is being calibrated (by another thread) right now.
     """
     meta = graph_meta(prepared, "convert")
     if meta.get("converted"):
         raise ValueError("this model is already converted; convert the prepared model instead")
+    check_model_idle(prepared, "convert")
     gm = copy.deepcopy(prepared)
     commit_weight_qparams(gm)
     quantizers = fake_quantizers(gm)

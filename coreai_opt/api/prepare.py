@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from coreai_opt.api._state import commit_weight_qparams, fake_quantizers
+from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
+from coreai_opt.api.unmatched_config import warn_unmatched_entries
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
@@ -32,9 +34,13 @@ from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
-from coreai_opt.passes.node_meta import META_KEY
+from coreai_opt.passes.node_meta import META_KEY, get_meta
 
 __all__ = ["prepare"]
+
+#: ``warnings.warn`` stack level of the user's ``prepare(...)`` line, seen from ``prepare`` (one frame for the
+#: ``public_api`` wrapper).
+_USER_STACKLEVEL = 3
 
 
 def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,6 +52,7 @@ def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return specs
 
 
+@public_api
 def prepare(
     model: nn.Module,
     config: QuantizerConfig,
@@ -102,12 +109,13 @@ def prepare(
             f"{type(model).__name__} is in train mode; post-training quantization captures and calibrates it in eval "
             "mode (BatchNorm running statistics, no dropout). Call model.eval() first, or pass qat=True for QAT.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=_USER_STACKLEVEL,
         )
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
                        concrete_args=concrete_args)
     gm = classify_ops(gm).graph_module
+    op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
         gm = fold_batchnorm(gm).graph_module
@@ -118,14 +126,8 @@ def prepare(
     gm = insert_quantizers(gm).graph_module
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
-    unused = config.unused_module_name_patterns(name for name, _ in model.named_modules())
-    if unused:
-        warnings.warn(
-            f"module_name pattern(s) {unused} match no module of {type(model).__name__}; check the regex "
-            "(it must fullmatch a qualified name such as 'layer1\\.0\\.conv1')",
-            UserWarning,
-            stacklevel=2,
-        )
+    warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),
+                           stacklevel=_USER_STACKLEVEL)
     commit_weight_qparams(gm)
     for _, fq in fake_quantizers(gm):
         fq.enable_observer(qat)

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from coreai_opt.config.quantizer_config import OpConfig, QuantizerConfig
+from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, QuantizationScheme, QuantizationSpec
 from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
 
@@ -135,11 +136,13 @@ def _activation(
     )
 
 
+@public_api
 def w8() -> QuantizerConfig:
     """Int8 symmetric per-channel (axis 0) weights, minmax range, static qparams; activations float."""
     return QuantizerConfig(weight=_per_channel_weight("int8"), activation=None)
 
 
+@public_api
 def w4(block_size: int = 32) -> QuantizerConfig:
     """Int4 symmetric per-block weights (axis 1, ``block_size``), activations float.
 
@@ -153,6 +156,7 @@ def w4(block_size: int = 32) -> QuantizerConfig:
     )
 
 
+@public_api
 def w8a8(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
     """Int8 per-channel weights + uint8 asymmetric per-tensor activations: the onnxruntime x86 fast path.
 
@@ -166,6 +170,7 @@ def w8a8(activation_range: str = "minmax", percentile: float | None = None) -> Q
     )
 
 
+@public_api
 def w8a8_sym(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
     """Int8 per-channel weights + int8 symmetric per-tensor activations.
 
@@ -179,6 +184,7 @@ def w8a8_sym(activation_range: str = "minmax", percentile: float | None = None) 
     )
 
 
+@public_api
 def w4a8(block_size: int = 32, activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
     """Int4 symmetric per-block weights + uint8 asymmetric per-tensor activations; biases stay float.
 
@@ -195,6 +201,7 @@ def w4a8(block_size: int = 32, activation_range: str = "minmax", percentile: flo
     )
 
 
+@public_api
 def w8a16(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
     """Int8 per-channel weights + uint16 asymmetric per-tensor activations (accuracy preset; opset 21).
 
@@ -208,6 +215,7 @@ def w8a16(activation_range: str = "minmax", percentile: float | None = None) -> 
     )
 
 
+@public_api
 def fp8(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
     """float8_e4m3fn symmetric weights (per-channel, axis 0) and activations (per-tensor); biases stay float.
 
@@ -222,6 +230,7 @@ def fp8(activation_range: str = "minmax", percentile: float | None = None) -> Qu
     )
 
 
+@public_api
 def w8a8_dynamic() -> QuantizerConfig:
     """Dynamic W8A8 for transformers: every linear gets int8 per-channel weights and a dynamic uint8 input.
 
@@ -247,11 +256,13 @@ _PRESETS: dict[str, Callable[..., QuantizerConfig]] = {
 }
 
 
+@public_api
 def names() -> tuple[str, ...]:
     """Return the preset names in table order."""
     return tuple(_PRESETS)
 
 
+@public_api
 def get(name: str) -> Callable[..., QuantizerConfig]:
     """Return the preset factory called ``name`` (call it, with options, to build the config).
 
@@ -280,6 +291,7 @@ def summarize_spec(spec: QuantizationSpec | None) -> str:
     return f"{spec.dtype} {qscheme} {_granularity_summary(spec)}, {spec.range_calculator}/{spec.qparams_calculator}"
 
 
+@public_api
 def describe() -> list[PresetInfo]:
     """Return one :class:`PresetInfo` per preset (default options), computed from the built configs."""
     rows = []

@@ -26,6 +26,7 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
 from coreai_opt.onnx.drop_zero_biases import drop_zero_biases
 from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
@@ -33,6 +34,7 @@ from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
 from coreai_opt.onnx.gather_quantized_rows import gather_quantized_rows
 from coreai_opt.onnx.global_average_pool import reduce_mean_to_global_average_pool
 from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
+from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
@@ -185,6 +187,7 @@ def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None
         )
 
 
+@public_api
 def export_onnx(
     model: nn.Module,
     example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
@@ -236,12 +239,14 @@ def export_onnx(
     path = check_output_path(path)
     quantizers = converted_quantizers(model)
     inputs = _as_input_tuple(example_inputs)
+    check_export_inputs(model, inputs)
     _refuse_bfloat16(model, inputs)
     chosen_opset = select_opset(quantizer_uses(quantizers), opset, preferred=preferred_opset(model))
     in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
     num_outputs = _count_outputs(model, inputs)
     default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]
     out_names = _names(output_names, default_out, num_outputs, "output_names")
+    check_io_names(in_names, out_names)
 
     model_proto = _export_proto(model, inputs, chosen_opset, dynamic_batch, in_names, out_names)
     if dynamic_batch:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import onnx
 
+from coreai_opt.error_boundary import public_api
+
 __all__ = ["FusionReport", "fusion_report", "INTEGER_COMPUTE_OPS", "FLOAT_COMPUTE_OPS"]
 
 #: Node types (any domain) that run a convolution or matrix product on integer data.
@@ -114,6 +116,7 @@ def _optimized_model(path: Path) -> onnx.ModelProto:
         return onnx.load(str(optimized), load_external_data=False)
 
 
+@public_api
 def fusion_report(path: str | Path) -> FusionReport:
     """Let onnxruntime (CPU provider) optimize the model at ``path`` and count what became integer kernels.
 

@@ -30,8 +30,10 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.fusion_report import FusionReport, fusion_report
 from coreai_opt.onnx.graph_index import producers_of
+from coreai_opt.onnx.input_validation import check_verify_batches
 
 __all__ = [
     "VerificationReport",
@@ -237,6 +239,7 @@ def _compare(name: str, refs: list[np.ndarray], gots: list[np.ndarray],
     )
 
 
+@public_api
 def verify_onnx(
     model: nn.Module,
     path: str | os.PathLike[str],
@@ -269,6 +272,7 @@ def verify_onnx(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the converted torch.nn.Module that was exported, got {type(model).__name__}")
     batches = _batches(inputs)
+    check_verify_batches(model, batches)
     session = ort.InferenceSession(str(path), providers=list(providers))
     input_names = [i.name for i in session.get_inputs()]
     output_names = [o.name for o in session.get_outputs()]

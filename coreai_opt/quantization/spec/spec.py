@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_serializer, field_validator, model_validator
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
 from coreai_opt.quantization.spec.granularity import Granularity, PerTensor, QuantizationScheme, granularity_from_dict
 from coreai_opt.quantization.spec.histogram import check_num_bins
-from coreai_opt.quantization.spec.qparams_math import quant_range
+from coreai_opt.quantization.spec.qparams_math import FLOAT32_MAX, quant_range
 from coreai_opt.quantization.spec.registry import Registry
 
 __all__ = ["QuantizationSpec"]
@@ -127,6 +128,11 @@ class QuantizationSpec(BaseModel):
         for end in (lo, hi):
             if end is not None and not math.isfinite(end):
                 raise ValueError(f"float_range={value!r} must contain finite numbers or None")
+            if end is not None and abs(end) > FLOAT32_MAX:
+                raise ValueError(
+                    f"float_range end {end!r} does not fit float32 (|end| <= {FLOAT32_MAX:.8g}); qparams are float32, "
+                    "use a smaller range"
+                )
         if lo is not None and lo > 0:
             raise ValueError(f"float_range min {lo} must be <= 0 (the range always contains 0)")
         if hi is not None and hi < 0:
@@ -205,6 +211,7 @@ class QuantizationSpec(BaseModel):
     def _serialise_granularity(self, value: Granularity) -> dict[str, Any]:
         return value.to_dict()
 
+    @public_api
     def to_dict(self) -> dict[str, Any]:
         """Return a plain, JSON-serialisable dict (granularity as its ``{"type": ...}`` dict)."""
         data = self.model_dump(mode="json")
@@ -213,6 +220,7 @@ class QuantizationSpec(BaseModel):
         return data
 
     @classmethod
+    @public_api
     def from_dict(cls, data: dict[str, Any]) -> QuantizationSpec:
         """Build a spec from :meth:`to_dict` output (or any dict of fields)."""
         if not isinstance(data, dict):
