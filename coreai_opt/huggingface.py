@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from coreai_opt.error_boundary import public_api
+
 __all__ = ["PretrainedModel", "MissingExtraError", "from_pretrained", "is_pretrained_directory", "IMAGE_SUFFIXES"]
 
 #: Image files read from a calibration folder.
@@ -102,6 +104,7 @@ class PretrainedModel:
     image_shape: tuple[int, int, int]
     preprocessor: Any
 
+    @public_api
     def example_inputs(self, batch_size: int = 1) -> tuple[torch.Tensor, ...]:
         """Inputs of ``batch_size`` samples: a tokenized sentence (or zeros) / a constant grey image."""
         if self.modality == "image":
@@ -110,6 +113,7 @@ class PretrainedModel:
             return tuple(t.repeat(batch_size, 1) for t in self.text_inputs(["the quick brown fox"]))
         return self.random_inputs(batch_size, seed=0)
 
+    @public_api
     def text_inputs(self, lines: Sequence[str]) -> tuple[torch.Tensor, ...]:
         """Tokenize ``lines`` (one sample each), padded / truncated to :attr:`seq_len`.
 
@@ -129,6 +133,7 @@ class PretrainedModel:
                              f"forward() takes before the inputs it does produce")
         return tuple(encoded[name].to(torch.int64) for name in self.input_names)
 
+    @public_api
     def image_inputs(self, paths: Sequence[Path]) -> tuple[torch.Tensor]:
         """Preprocess image files with the directory's image processor (resize, normalize) into pixel values.
 
@@ -152,6 +157,7 @@ class PretrainedModel:
         pixels = self.preprocessor(images=images, return_tensors="pt")["pixel_values"]
         return (pixels.to(torch.float32),)
 
+    @public_api
     def random_inputs(self, count: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """``count`` random samples (fine for checking the export, meaningless for accuracy).
 
@@ -211,6 +217,7 @@ def _image_shape(config: Any, preprocessor: Any) -> tuple[int, int, int]:
     return channels, int(height), int(width)
 
 
+@public_api
 def from_pretrained(directory: str | Path, *, seq_len: int = 128) -> PretrainedModel:
     """Load a local ``save_pretrained`` directory (module docstring).
 

@@ -3,7 +3,7 @@
 Both hold the same facts: the inputs, the verification table (onnxruntime vs the eager quantized model), file
 and weight sizes of the fp32 baseline and the quantized file, onnxruntime latency of both (labelled with threads,
 batch and runs), the layers left float and why, the tuning steps that ran, and, in the text, a legend for every
-column. Both files are written with :func:`coreai_opt.cli.text_files.write_text_atomically`.
+column. Both files are written with :func:`coreai_opt.onnx.save.write_text_atomically`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coreai_opt.cli.measurements import Latency
-from coreai_opt.cli.text_files import write_text_atomically
+from coreai_opt.onnx.save import write_text_atomically
 
 __all__ = ["Sizes", "QuantizeReport", "legend", "report_paths", "write_report"]
 
