@@ -2,8 +2,8 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale → annotate →
-    insert_quantizers
+    capture (→ functionalize_inplace) → classify_ops → functionalize_weights → fold_batchnorm →
+    fold_attention_scale → annotate → insert_quantizers
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -55,6 +55,7 @@ def prepare(
     capture: str = "auto",
     leaf_modules: Sequence[type | str] = (),
     concrete_args: dict[str, Any] | None = None,
+    dynamic_shapes: dict[str, Any] | None = None,
     qat: bool = False,
 ) -> fx.GraphModule:
     """Return a quantization-ready copy of ``model`` (the model itself is never modified).
@@ -67,6 +68,9 @@ def prepare(
         capture: ``"auto"`` (FX, then torch.export), ``"fx"`` or ``"export"``.
         leaf_modules: Module types or qualified names FX must not trace into.
         concrete_args: Values FX specialises on (Python flags in ``forward``).
+        dynamic_shapes: Only for the torch.export capture: per-argument entries in ``torch.export``'s format replacing
+            the default (dimension 0 of every tensor input dynamic); ``{"x": None}`` keeps ``x`` at its example shape
+            (then export with ``dynamic_batch=False``).
         qat: Prepare for quantization-aware training (train mode, observers and fake quantization on).
 
     Returns:
@@ -76,7 +80,8 @@ def prepare(
     Raises:
         TypeError: ``model`` is not an nn.Module, ``config`` not a QuantizerConfig, or ``example_inputs`` not a
             tuple.
-        ValueError: capture failed (``CaptureError``) or a spec does not fit a tensor (the node is named).
+        ValueError: capture failed (``CaptureError``: also for an in-place write FX cannot replay, or a ``forward``
+            that branches on a dynamic size), or a spec does not fit a tensor (the node is named).
 
     Example:
         >>> cfg = QuantizerConfig.presets.w8()
@@ -106,7 +111,7 @@ def prepare(
         )
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
-                       concrete_args=concrete_args)
+                       concrete_args=concrete_args, dynamic_shapes=dynamic_shapes)
     gm = classify_ops(gm).graph_module
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
