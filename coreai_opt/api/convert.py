@@ -14,6 +14,7 @@ from torch import fx
 
 from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers, graph_meta
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
+from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.node_meta import META_KEY
 from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
 
@@ -31,13 +32,16 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
 
     Raises:
         TypeError: ``prepared`` was not produced by ``prepare``.
-        ValueError: already converted, activation quantizers that were never calibrated, or stateless
+        ValueError: already converted, a weight holding NaN (named), activation quantizers that were never
+            calibrated, or stateless
             quantizers that cannot export (``DynamicFakeQuantize`` can); the quantizers are named.
     """
     meta = graph_meta(prepared, "convert")
     if meta.get("converted"):
         raise ValueError("this model is already converted; convert the prepared model instead")
     gm = copy.deepcopy(prepared)
+    check_finite_weights(gm, "convert", "restore weights without NaN (after QAT: a checkpoint from before training "
+                                        "diverged, or a lower learning rate)")
     commit_weight_qparams(gm)
     quantizers = fake_quantizers(gm)
     stateful = [fq for _, fq in quantizers if isinstance(fq.calculator, StatefulQParamsCalculatorBase)]

@@ -2,8 +2,8 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture (→ functionalize_inplace) → classify_ops → functionalize_weights → fold_batchnorm →
-    fold_attention_scale → annotate → insert_quantizers
+    capture (→ functionalize_inplace) → check_finite_weights → classify_ops → functionalize_weights →
+    fold_batchnorm → fold_attention_scale → annotate → insert_quantizers → check_activation_axes
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -24,10 +24,12 @@ from torch import fx, nn
 
 from coreai_opt.api._state import commit_weight_qparams, fake_quantizers
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.passes.activation_axes import check_activation_axes
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
+from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
@@ -81,7 +83,8 @@ def prepare(
         TypeError: ``model`` is not an nn.Module, ``config`` not a QuantizerConfig, or ``example_inputs`` not a
             tuple.
         ValueError: capture failed (``CaptureError``: also for an in-place write FX cannot replay, or a ``forward``
-            that branches on a dynamic size), or a spec does not fit a tensor (the node is named).
+            that branches on a dynamic size), a weight holds NaN, a spec does not fit a tensor, or a per-channel
+            activation quantizer's axis follows the batch size (the node / tensor is named).
 
     Example:
         >>> cfg = QuantizerConfig.presets.w8()
@@ -112,6 +115,8 @@ def prepare(
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
                        concrete_args=concrete_args, dynamic_shapes=dynamic_shapes)
+    check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
+                                        "before prepare")
     gm = classify_ops(gm).graph_module
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
@@ -121,6 +126,7 @@ def prepare(
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
+    check_activation_axes(gm, example_inputs, kwargs)
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
     unused = config.unused_module_name_patterns(name for name, _ in model.named_modules())
