@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.dead_code import remove_dead_nodes
 from coreai_opt.passes.node_meta import get_meta, set_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.passes.pass_result import PassResult
@@ -183,7 +184,7 @@ def fold_batchnorm(gm: GraphModule) -> PassResult:
             set_meta(node, replace(meta, float_reason=f"batch norm '{meta.module_name or node.name}' not folded: "
                                                       f"{reason}"))
     if changes:
-        gm.graph.eliminate_dead_code()
+        remove_dead_nodes(gm)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         gm.recompile()

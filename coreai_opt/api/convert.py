@@ -16,6 +16,7 @@ from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_q
 from coreai_opt.api.model_guard import check_model_idle
 from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
+from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.node_meta import META_KEY
 from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
 
@@ -34,7 +35,8 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
 
     Raises:
         TypeError: ``prepared`` was not produced by ``prepare``.
-        ValueError: already converted, activation quantizers that were never calibrated, or stateless
+        ValueError: already converted, a weight holding NaN (named), activation quantizers that were never
+            calibrated, or stateless
             quantizers that cannot export (``DynamicFakeQuantize`` can); the quantizers are named.
         CalibrationInProgressError: ``prepared`` is being calibrated (by another thread) right now.
     """
@@ -43,6 +45,8 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         raise ValueError("this model is already converted; convert the prepared model instead")
     check_model_idle(prepared, "convert")
     gm = copy.deepcopy(prepared)
+    check_finite_weights(gm, "convert", "restore weights without NaN (after QAT: a checkpoint from before training "
+                                        "diverged, or a lower learning rate)")
     commit_weight_qparams(gm)
     quantizers = fake_quantizers(gm)
     stateful = [fq for _, fq in quantizers if isinstance(fq.calculator, StatefulQParamsCalculatorBase)]

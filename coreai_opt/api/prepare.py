@@ -2,8 +2,8 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale → annotate →
-    insert_quantizers
+    capture (→ functionalize_inplace) → check_finite_weights → classify_ops → functionalize_weights →
+    fold_batchnorm → fold_attention_scale → annotate → insert_quantizers → check_activation_axes
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -26,10 +26,12 @@ from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_q
 from coreai_opt.api.unmatched_config import warn_unmatched_entries
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
+from coreai_opt.passes.activation_axes import check_activation_axes
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
+from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
@@ -62,6 +64,7 @@ def prepare(
     capture: str = "auto",
     leaf_modules: Sequence[type | str] = (),
     concrete_args: dict[str, Any] | None = None,
+    dynamic_shapes: dict[str, Any] | None = None,
     qat: bool = False,
 ) -> fx.GraphModule:
     """Return a quantization-ready copy of ``model`` (the model itself is never modified).
@@ -74,6 +77,9 @@ def prepare(
         capture: ``"auto"`` (FX, then torch.export), ``"fx"`` or ``"export"``.
         leaf_modules: Module types or qualified names FX must not trace into.
         concrete_args: Values FX specialises on (Python flags in ``forward``).
+        dynamic_shapes: Only for the torch.export capture: per-argument entries in ``torch.export``'s format replacing
+            the default (dimension 0 of every tensor input dynamic); ``{"x": None}`` keeps ``x`` at its example shape
+            (then export with ``dynamic_batch=False``).
         qat: Prepare for quantization-aware training (train mode, observers and fake quantization on).
 
     Returns:
@@ -83,7 +89,9 @@ def prepare(
     Raises:
         TypeError: ``model`` is not an nn.Module, ``config`` not a QuantizerConfig, or ``example_inputs`` not a
             tuple.
-        ValueError: capture failed (``CaptureError``) or a spec does not fit a tensor (the node is named).
+        ValueError: capture failed (``CaptureError``: also for an in-place write FX cannot replay, or a ``forward``
+            that branches on a dynamic size), a weight holds NaN, a spec does not fit a tensor, or a per-channel
+            activation quantizer's axis follows the batch size (the node / tensor is named).
 
     Example:
         >>> cfg = QuantizerConfig.presets.w8()
@@ -113,7 +121,9 @@ def prepare(
         )
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
-                       concrete_args=concrete_args)
+                       concrete_args=concrete_args, dynamic_shapes=dynamic_shapes)
+    check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
+                                        "before prepare")
     gm = classify_ops(gm).graph_module
     op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
     gm = functionalize_weights(gm).graph_module
@@ -124,6 +134,7 @@ def prepare(
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
+    check_activation_axes(gm, example_inputs, kwargs)
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
     warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),
