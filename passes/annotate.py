@@ -52,6 +52,7 @@ from coreai_opt.passes.node_meta import (
 )
 from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
+from coreai_opt.passes.shape_queries import value_users
 from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
 from coreai_opt.quantization.spec.qparams_math import compute_qparams
 
@@ -273,7 +274,7 @@ class _Matcher:
             out_spec = act
             if pattern.float_range and self.fixed_range_outputs:
                 out_spec = _fixed(act, pattern.float_range, pattern.power_of_two_step)
-            users = list(node.users)
+            users = value_users(node)  # x.shape / x.ndim readers do not block the fusion
             if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
                     and users[0].args and users[0].args[0] is node:
                 self.fused[users[0]] = QuantSpec(out_spec, Role.ACTIVATION)
