@@ -2,7 +2,8 @@
 
 ``prepare`` runs them as a recipe::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → annotate → insert_quantizers
+    capture → decompose_attention → classify_ops → functionalize_weights → fold_batchnorm → annotate →
+    insert_quantizers
 
 and ``convert`` runs ``drop_redundant_activations``. Every pass takes the GraphModule the pipeline owns and
 returns a :class:`PassResult`; decisions live in ``node.meta["coreai_opt"]`` (:mod:`.node_meta`).
@@ -13,6 +14,7 @@ from __future__ import annotations
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import CaptureError, capture
 from coreai_opt.passes.classify_ops import classify_ops
+from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
@@ -32,6 +34,7 @@ __all__ = [
     "annotate",
     "capture",
     "classify_ops",
+    "decompose_attention",
     "drop_redundant_activations",
     "fold_batchnorm",
     "functionalize_weights",

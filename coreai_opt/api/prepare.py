@@ -2,8 +2,8 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale → annotate →
-    insert_quantizers
+    capture → decompose_attention → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale →
+    annotate → insert_quantizers
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -27,6 +27,7 @@ from coreai_opt.config import QuantizerConfig
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
+from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
@@ -107,6 +108,7 @@ def prepare(
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
                        concrete_args=concrete_args)
+    gm = decompose_attention(gm).graph_module
     gm = classify_ops(gm).graph_module
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
