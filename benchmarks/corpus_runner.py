@@ -12,7 +12,8 @@ are compared with the float torch model:
     \\mathrm{SQNR} = 10 \\log_{10} \\frac{\\sum y^2}{\\sum (y - \\hat y)^2} \\;\\mathrm{dB}
 
 Integer kernels are counted in onnxruntime's optimised graph (:func:`coreai_opt.onnx.fusion_report`) for both
-files. Top-1 agreement compares argmaxes over the last axis (classes, or the vocabulary at every position).
+files. Top-1 agreement compares argmaxes over the last axis (classes, or the vocabulary at every position); a
+disagreement between onnxruntime and eager counts as decisive unless it is a near tie by verify_onnx's rule.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ import coreai_opt as co
 from benchmarks.corpus_models import CorpusModel
 from benchmarks.latency import measure
 from benchmarks.onnx_utils import FLOAT_OPSET, session
+from coreai_opt.onnx.verify import FLOAT_RELATIVE_TOLERANCE, MAX_OUTPUT_STEPS
 
-__all__ = ["CorpusRow", "RunOptions", "run_corpus_model", "sqnr_db", "top1_agreement"]
+__all__ = ["CorpusRow", "RunOptions", "decisive_flips", "run_corpus_model", "sqnr_db", "top1_agreement"]
 
 Batch = tuple[Tensor, ...]
 STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
@@ -66,6 +68,7 @@ class CorpusRow:
     verify_ok: bool | None = None
     verify_steps: float | None = None  # max |ORT - eager| in output quantization steps (None: float output)
     top1_verify: float | None = None  # ours in ORT vs ours in eager
+    decisive_flips: int | None = None  # of those disagreements, the ones that are not near ties (see decisive_flips)
     top1_ours_float: float | None = None  # ours in ORT vs the float model
     top1_ort_float: float | None = None  # quantize_static in ORT vs the float model
     sqnr_ours: float | None = None
@@ -77,6 +80,7 @@ class CorpusRow:
     other_int_ours: dict[str, int] = field(default_factory=dict)
     other_int_ort: dict[str, int] = field(default_factory=dict)
     batchnorm_ours: int | None = None  # BatchNormalization nodes in our exported file
+    tolerance: float | None = None  # verify_onnx's absolute tolerance of our output
     ort_error: str | None = None
     ort_preprocessed: bool | None = None
     seconds: dict[str, float] = field(default_factory=dict)
@@ -108,6 +112,19 @@ def top1_agreement(reference: Sequence[np.ndarray], other: Sequence[np.ndarray])
     same = sum(int((r.argmax(-1) == o.argmax(-1)).sum()) for r, o in zip(reference, other, strict=True))
     total = sum(r[..., 0].size for r in reference)
     return same / total
+
+
+def decisive_flips(reference: Sequence[np.ndarray], other: Sequence[np.ndarray], tolerance: float) -> int:
+    """Argmax disagreements whose reference top-2 margin exceeds ``2 · tolerance`` (not near ties).
+
+    ``verify_onnx`` forgives a flip when both logits may have moved by its tolerance; this applies the same rule
+    to every position of LM logits (verify_onnx only judges 2-D ``[N, C]`` outputs).
+    """
+    count = 0
+    for r, o in zip(reference, other, strict=True):
+        top2 = np.sort(r, axis=-1)[..., -2:]
+        count += int(((r.argmax(-1) != o.argmax(-1)) & (top2[..., 1] - top2[..., 0] > 2 * tolerance)).sum())
+    return count
 
 
 def _short(exc: BaseException) -> str:
@@ -210,6 +227,8 @@ def _ours(entry: CorpusModel, model: nn.Module, calib: list[Batch], evals: list[
         return None
     output = report.outputs[0]
     row.verify_ok, row.verify_steps = report.ok, output.max_diff_steps
+    row.tolerance = (MAX_OUTPUT_STEPS * output.step if output.step is not None
+                     else FLOAT_RELATIVE_TOLERANCE * output.reference_range)
     row.int_ours, row.float_ours = report.fusion.num_integer_compute, report.fusion.num_float_compute
     row.other_int_ours = dict(report.fusion.other_quantized)
     row.batchnorm_ours = sum(n.op_type == "BatchNormalization" for n in onnx.load(str(path)).graph.node)
@@ -241,7 +260,9 @@ def run_corpus_model(entry: CorpusModel, work_dir: Path, options: RunOptions = R
         ours_out = _run_onnx(ours_path, names, evals)
         row.sqnr_ours = sqnr_db(reference, ours_out)
         if entry.has_logits:
-            row.top1_verify = top1_agreement(_eager(converted, evals), ours_out)
+            eager = _eager(converted, evals)
+            row.top1_verify = top1_agreement(eager, ours_out)
+            row.decisive_flips = decisive_flips(eager, ours_out, row.tolerance)
             row.top1_ours_float = top1_agreement(reference, ours_out)
 
     float_path, ort_path = work_dir / f"{entry.name}.float.onnx", work_dir / f"{entry.name}.ort.onnx"

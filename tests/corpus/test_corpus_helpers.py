@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from benchmarks.corpus_models import CORPUS, tokens
-from benchmarks.corpus_runner import sqnr_db, top1_agreement
+from benchmarks.corpus_runner import decisive_flips, sqnr_db, top1_agreement
 from benchmarks.torchvision_ops import declare_torchvision_ops
 
 
@@ -23,6 +23,13 @@ def test_top1_agreement_counts_every_position_of_lm_logits():
     reference = [np.array([[[0.0, 1.0], [1.0, 0.0]], [[0.0, 1.0], [0.0, 1.0]]])]  # [N=2, T=2, V=2]
     other = [np.array([[[0.0, 1.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 1.0]]])]
     assert top1_agreement(reference, other) == 0.75
+
+
+def test_decisive_flips_forgive_only_near_ties():
+    reference = [np.array([[0.0, 1.0], [0.0, 0.1]])]  # margins 1.0 and 0.1
+    other = [np.array([[1.0, 0.0], [0.1, 0.0]])]  # both rows flip
+    assert decisive_flips(reference, other, tolerance=0.1) == 1  # 0.1 <= 2 * 0.1: a near tie
+    assert decisive_flips(reference, other, tolerance=0.01) == 2
 
 
 def test_token_inputs_stay_in_the_vocabulary_with_a_right_padded_mask():
