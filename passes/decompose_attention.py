@@ -54,15 +54,44 @@ SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, aten.scaled_do
 _POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 _DEFAULTS: dict[str, Any] = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None,
                              "enable_gqa": False}
+# Options the decomposition is specialised on (and attn_mask when it is an input captured as None).
+_FLAGS = frozenset({"dropout_p", "is_causal", "scale", "enable_gqa"})
 
 
-def _arguments(node: Node) -> dict[str, Any]:
+def _constant_input(gm: GraphModule, sdpa: Node, name: str, value: Node) -> object:
+    """The captured value of a non-tensor graph input that sets an SDPA option, guarded at run time.
+
+    FX keeps ``forward(x, attn_mask=None, is_causal=False)`` arguments as placeholders; the decomposition is
+    specialised on the value they had at capture (their default), and a ``torch._assert`` makes the prepared model
+    refuse another value instead of silently ignoring it.
+    """
+    tensor = isinstance(value.meta.get("val"), torch.Tensor) or value.meta.get("tensor_meta") is not None
+    if value.op != "placeholder" or tensor or not value.args:
+        raise ValueError(
+            f"scaled_dot_product_attention {sdpa.name}: {name} is computed in the graph ({value.format_node()}); "
+            f"pass it as a Python constant, or specialise the input with prepare(..., concrete_args={{...}})"
+        )
+    captured = value.args[0]
+    with gm.graph.inserting_before(sdpa):
+        same = gm.graph.call_function(operator.is_ if captured is None else operator.eq, (value, captured))
+        gm.graph.call_function(torch._assert, (same, f"coreai_opt prepared this model with {value.target}="
+                                               f"{captured!r} (its attention was decomposed for that value); "
+                                               f"prepare it again to use another value"))
+    return captured
+
+
+def _is_none_input(value: Node) -> bool:
+    """An FX placeholder whose captured value was None (an optional mask argument left out)."""
+    return value.meta.get("type") is type(None)
+
+
+def _arguments(gm: GraphModule, node: Node) -> dict[str, Any]:
     values = dict(_DEFAULTS)
     values.update(zip(_POSITIONAL, node.args, strict=False))
     values.update(node.kwargs)
-    mask = values["attn_mask"]
-    if isinstance(mask, Node) and mask.meta.get("type") is type(None):  # FX: an optional mask input left at None
-        values["attn_mask"] = None
+    for name, value in values.items():
+        if isinstance(value, Node) and (name in _FLAGS or (name == "attn_mask" and _is_none_input(value))):
+            values[name] = _constant_input(gm, node, name, value)
     return values
 
 
@@ -110,7 +139,7 @@ def _shape(node: Node) -> tuple[Any, ...]:
 
 
 def _decompose(gm: GraphModule, sdpa: Node) -> None:
-    args = _arguments(sdpa)
+    args = _arguments(gm, sdpa)
     label = get_meta(sdpa).module_name or sdpa.name
     dropout = args["dropout_p"]
     if not isinstance(dropout, (int, float)) or dropout != 0:

@@ -92,3 +92,22 @@ def test_decompose_attention_is_a_no_op_without_attention():
     before = gm.code
     assert decompose_attention(gm).changes == 0
     assert gm.code == before
+
+
+class _TimmStyle(nn.Module):
+    """timm's VisionTransformer passes ``attn_mask=None, is_causal=False`` forward arguments down to SDPA."""
+
+    def forward(self, q, attn_mask=None, is_causal=False):
+        return F.scaled_dot_product_attention(q, q * 0.5, q, attn_mask=attn_mask, is_causal=is_causal)
+
+
+def test_decompose_attention_specialises_non_tensor_inputs_to_their_captured_value_and_guards_them():
+    q = torch.randn(B, H, L, E)
+    gm = capture(_TimmStyle(), (q,), method="fx")
+    assert decompose_attention(gm).changes == 1
+    expected = F.scaled_dot_product_attention(q, q * 0.5, q)  # not causal: the default the input had at capture
+    assert float((gm(q) - expected).abs().max()) <= 1e-6
+    with pytest.raises(AssertionError, match="is_causal=False"):
+        gm(q, None, True)
+    with pytest.raises(AssertionError, match="attn_mask=None"):
+        gm(q, torch.ones(L, S, dtype=torch.bool))
