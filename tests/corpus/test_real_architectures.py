@@ -29,6 +29,8 @@ KNOWN_FAILURES: dict[str, str] = {
                  "an add, QLinearAdd 2/2 and 0 verify steps, it stays 36.1 dB)",
     "hf-bert": "SQNR 29.3 dB vs 30.3 dB for quantize_static (18/18 integer kernels on both sides)",
     "hf-dinov2": "SQNR 19.4 dB vs 19.9 dB for quantize_static (-0.54 dB, margin 0.5 dB)",
+    "hf-gpt-neo": "verify_onnx not ok: 4 output steps, top-1 96.1 % at LM positions (cause 5); SQNR 25.3 dB vs "
+                  "5.7 dB for quantize_static",
     "timm-efficientnet-b0": "verify_onnx not ok: 4 output steps (cause 5); SQNR 35.7 dB vs 36.3 dB for "
                             "quantize_static (82/82 integer kernels, 0 BatchNormalization left)",
 }
