@@ -31,6 +31,9 @@ KNOWN_FAILURES: dict[str, str] = {
     "hf-dinov2": "SQNR 19.4 dB vs 19.9 dB for quantize_static (-0.54 dB, margin 0.5 dB)",
     "hf-gpt-neo": "verify_onnx not ok: 4 output steps, top-1 96.1 % at LM positions (cause 5); SQNR 25.3 dB vs "
                   "5.7 dB for quantize_static",
+    "timm-mobilenetv3": "verify_onnx not ok: 25 output steps, top-1 93.8 % (cause 5); SQNR 17.2 dB vs 18.1 dB for "
+                        "quantize_static (54/54 integer kernels)",
+    "timm-vit-tiny": "verify_onnx not ok: 6 output steps (cause 5); SQNR 11.3 dB vs 10.5 dB, 14/14 integer kernels",
     "timm-efficientnet-b0": "verify_onnx not ok: 4 output steps (cause 5); SQNR 35.7 dB vs 36.3 dB for "
                             "quantize_static (82/82 integer kernels, 0 BatchNormalization left)",
 }
