@@ -34,6 +34,8 @@ KNOWN_FAILURES: dict[str, str] = {
     "timm-mobilenetv3": "verify_onnx not ok: 25 output steps, top-1 93.8 % (cause 5); SQNR 17.2 dB vs 18.1 dB for "
                         "quantize_static (54/54 integer kernels)",
     "timm-vit-tiny": "verify_onnx not ok: 6 output steps (cause 5); SQNR 11.3 dB vs 10.5 dB, 14/14 integer kernels",
+    "timm-deit-tiny": "verify_onnx not ok: 6 output steps (cause 5); SQNR 11.3 dB vs 10.5 dB, 14/14 integer kernels",
+    "hf-regnet": "SQNR 35.1 dB vs 36.1 dB for quantize_static (14/14 integer kernels, 0 BatchNormalization left)",
     "timm-efficientnet-b0": "verify_onnx not ok: 4 output steps (cause 5); SQNR 35.7 dB vs 36.3 dB for "
                             "quantize_static (82/82 integer kernels, 0 BatchNormalization left)",
 }
