@@ -2,8 +2,8 @@
 
 ``prepare`` runs them as a recipe::
 
-    capture (→ functionalize_inplace) → classify_ops → functionalize_weights → fold_batchnorm → annotate →
-    insert_quantizers
+    capture (→ functionalize_inplace) → decompose_attention → classify_ops → functionalize_weights →
+    fold_batchnorm → annotate → insert_quantizers
 
 and ``convert`` runs ``drop_redundant_activations``. Passes that delete nodes use
 :func:`~coreai_opt.passes.dead_code.remove_dead_nodes` (never ``Graph.eliminate_dead_code``, which deletes in-place
@@ -19,6 +19,7 @@ from coreai_opt.passes.capture import CaptureError, capture
 from coreai_opt.passes.capture_error import InplaceAliasError, ShapeGuardError
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.dead_code import remove_dead_nodes
+from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_inplace import functionalize_inplace
@@ -43,6 +44,7 @@ __all__ = [
     "annotate",
     "capture",
     "classify_ops",
+    "decompose_attention",
     "drop_redundant_activations",
     "fold_batchnorm",
     "functionalize_inplace",

@@ -2,8 +2,9 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture (→ functionalize_inplace) → check_finite_weights → classify_ops → functionalize_weights →
-    fold_batchnorm → fold_attention_scale → annotate → insert_quantizers → check_activation_axes
+    capture (→ functionalize_inplace) → check_finite_weights → decompose_attention → classify_ops →
+    functionalize_weights → fold_batchnorm → fold_attention_scale → annotate → insert_quantizers →
+    check_activation_axes
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -30,6 +31,7 @@ from coreai_opt.passes.activation_axes import check_activation_axes
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
+from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
 from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
@@ -124,6 +126,7 @@ def prepare(
                        concrete_args=concrete_args, dynamic_shapes=dynamic_shapes)
     check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
                                         "before prepare")
+    gm = decompose_attention(gm).graph_module
     gm = classify_ops(gm).graph_module
     op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
     gm = functionalize_weights(gm).graph_module
