@@ -3,6 +3,7 @@
 ``prepare`` runs them as a recipe::
 
     capture → classify_ops → functionalize_weights → fold_batchnorm → annotate → insert_quantizers
+    → insert_weight_statistics
 
 and ``convert`` runs ``drop_redundant_activations``. Every pass takes the GraphModule the pipeline owns and
 returns a :class:`PassResult`; decisions live in ``node.meta["coreai_opt"]`` (:mod:`.node_meta`).
@@ -17,6 +18,7 @@ from coreai_opt.passes.drop_redundant_activations import drop_redundant_activati
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
+from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.node_meta import META_KEY, NodeMeta, QuantizerInfo, Role, get_meta
 from coreai_opt.passes.op_kinds import OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
@@ -37,5 +39,6 @@ __all__ = [
     "functionalize_weights",
     "get_meta",
     "insert_quantizers",
+    "insert_weight_statistics",
     "lookup_op",
 ]

@@ -10,8 +10,12 @@ from torch import fx, nn
 
 from coreai_opt.passes.node_meta import META_KEY, Role, get_meta
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, StatefulQParamsCalculatorBase
+from coreai_opt.quantization.spec.input_statistics import InputStatistics
 
-__all__ = ["graph_meta", "fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
+__all__ = [
+    "graph_meta", "fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams",
+    "input_statistics",
+]
 
 
 def graph_meta(model: object, caller: str) -> dict[str, Any]:
@@ -33,6 +37,11 @@ def fake_quantizers(model: nn.Module) -> list[tuple[str, FakeQuantize]]:
 def bias_quantizers(model: nn.Module) -> list[tuple[str, BiasFakeQuantize]]:
     """All BiasFakeQuantize submodules (derived int32 biases) with their names, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, BiasFakeQuantize)]
+
+
+def input_statistics(model: nn.Module) -> list[InputStatistics]:
+    """The input statistics of data-aware weight rounding (called on the linears' input edges), in module order."""
+    return [m for m in model.modules() if isinstance(m, InputStatistics) and m.attached]
 
 
 def weight_quantizer_inputs(gm: fx.GraphModule) -> list[tuple[FakeQuantize, torch.Tensor]]:
@@ -71,7 +80,8 @@ def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
     """Compute every weight quantizer's qparams from the current weight (no calibration data needed).
 
     A weight that is the same tensor, unchanged, as at its last commit is skipped (its qparams would come out the
-    same), so calibrating repeatedly does not re-scan every weight each time.
+    same), so calibrating repeatedly does not re-scan every weight each time, unless its weight rounding holds new
+    calibration statistics (GPTQ, weighted MSE), which are then used.
 
     Args:
         gm: A prepared model.
@@ -86,10 +96,10 @@ def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
             calculator = fq.calculator
             if not isinstance(calculator, StatefulQParamsCalculatorBase) or fq.export_mode:
                 continue
-            if not force and _unchanged_since_commit(fq, weight):
+            if not force and _unchanged_since_commit(fq, weight) and not fq.has_input_statistics:
                 continue
             calculator.reset_statistics()
-            calculator.observe(weight.detach())
+            fq.observe(weight.detach())
             fq.commit()
             _COMMITTED_FROM[fq] = (weakref.ref(weight), weight._version)
             count += 1

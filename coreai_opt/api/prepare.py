@@ -32,6 +32,7 @@ from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
+from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.node_meta import META_KEY
 
 __all__ = ["prepare"]
@@ -118,6 +119,7 @@ def prepare(
     gm = insert_quantizers(gm).graph_module
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
+    gm = insert_weight_statistics(gm).graph_module  # data-aware weight rounding observes the linears' inputs
     unused = config.unused_module_name_patterns(name for name, _ in model.named_modules())
     if unused:
         warnings.warn(
