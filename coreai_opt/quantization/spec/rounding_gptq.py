@@ -34,9 +34,10 @@ from torch import Tensor
 from coreai_opt.quantization.spec.granularity import PerBlock, PerChannel, PerTensor
 from coreai_opt.quantization.spec.input_statistics import InputStatistics
 from coreai_opt.quantization.spec.rounding_math import rtn_qparams
+from coreai_opt.quantization.spec.rounding_mse import MSERounding, search_rows
 from coreai_opt.quantization.spec.weight_rounding import WEIGHT_ROUNDING, RoundedWeight, RTNRounding
 
-__all__ = ["GPTQRounding", "inverse_hessian_factor"]
+__all__ = ["GPTQRounding", "GPTQClipSearchRounding", "inverse_hessian_factor"]
 
 
 def inverse_hessian_factor(hessian: Tensor, damping: float) -> Tensor:
@@ -64,12 +65,16 @@ class GPTQRounding(RTNRounding):
         damping: ``λ``, fraction of the mean Hessian diagonal added to the diagonal (0.01).
         lazy_block: Columns per lazy batch update (rounded to a multiple of the qparam block).
         act_order: Round columns by decreasing ``H_jj`` (static groups).
+        clip_search: Choose each block's qparams by the weighted clip search of
+            :mod:`~coreai_opt.quantization.spec.rounding_mse` (weights ``h_j = H_jj``) instead of round-to-nearest
+            of its range (key ``"gptq_mse"``).
     """
 
     statistics_kind: ClassVar[str | None] = "hessian"
     damping: ClassVar[float] = 0.01
     lazy_block: ClassVar[int] = 128
     act_order: ClassVar[bool] = False
+    clip_search: ClassVar[bool] = False
 
     def round_weight(self, weight: Tensor, statistics: InputStatistics | None) -> RoundedWeight:  # noqa: D102
         if statistics is None or weight.dim() != 2 or statistics.num_channels != weight.shape[1]:
@@ -89,6 +94,7 @@ class GPTQRounding(RTNRounding):
         w = weight.clone()
         perm = torch.argsort(hessian.diagonal(), descending=True, stable=True) if self.act_order else None
         static = perm is not None or block == n
+        self._diag = hessian.diagonal().clone()
         scale, zero = self._static_qparams(weight, block) if static else (
             torch.empty(out, n // block, device=w.device), torch.empty(out, n // block, dtype=torch.int32))
         if perm is not None:
@@ -104,12 +110,25 @@ class GPTQRounding(RTNRounding):
             q = restored
         return RoundedWeight(q.to(torch.int32), *self._qparam_shaped(scale, zero, weight))
 
+    def _group_qparams(self, rows: Tensor, columns: slice | None) -> tuple[Tensor, Tensor]:
+        """Qparams per row of ``rows`` (``(R, B)``): round-to-nearest, or the clip search weighted by ``H_jj``."""
+        if not self.clip_search:
+            return rtn_qparams(rows, self.spec.dtype_info, self.spec.qscheme)
+        importance = None
+        if columns is not None:
+            importance = self._diag[columns].float().reshape(1, -1).expand_as(rows)
+        _, s, z = search_rows(rows, importance, self.spec, MSERounding.grid, MSERounding.refinements)
+        return s, z
+
     def _static_qparams(self, weight: Tensor, block: int) -> tuple[Tensor, Tensor]:
         """``(out, groups)`` qparams from the original weight (whole tensor for per-tensor)."""
         if isinstance(self.spec.granularity, PerTensor):
-            s, z = rtn_qparams(weight.reshape(1, -1), self.spec.dtype_info, self.spec.qscheme)
+            s, z = self._group_qparams(weight.reshape(1, -1), None)
             return s.expand(weight.shape[0], 1).clone(), z.expand(weight.shape[0], 1).clone()
         out, n = weight.shape
+        if block == n:
+            s, z = self._group_qparams(weight, slice(0, n))
+            return s.reshape(out, 1), z.reshape(out, 1)
         s, z = rtn_qparams(weight.reshape(out * (n // block), block), self.spec.dtype_info, self.spec.qscheme)
         return s.reshape(out, n // block), z.reshape(out, n // block)
 
@@ -129,7 +148,7 @@ class GPTQRounding(RTNRounding):
                 col = i1 + i
                 g = int(group_of[col])
                 if not static and col % block == 0:
-                    s_new, z_new = rtn_qparams(w1[:, i:i + block], self.spec.dtype_info, self.spec.qscheme)
+                    s_new, z_new = self._group_qparams(w1[:, i:i + block], slice(col, col + block))
                     scale[:, g], zero[:, g] = s_new, z_new
                 s, z = scale[:, g], zero[:, g].float()
                 wc = w1[:, i]
@@ -148,3 +167,10 @@ class GPTQRounding(RTNRounding):
         if isinstance(granularity, PerChannel):
             return scale[:, 0].contiguous(), zero[:, 0].contiguous()
         return scale.contiguous(), zero.contiguous()
+
+
+@WEIGHT_ROUNDING.register("gptq_mse")
+class GPTQClipSearchRounding(GPTQRounding):
+    """GPTQ whose block qparams come from the clip search weighted by the Hessian diagonal (``clip_search``)."""
+
+    clip_search: ClassVar[bool] = True
