@@ -4,8 +4,9 @@ For every qparam group (row ``w`` of the rows view) and every clip factor ``α``
 round-to-nearest qparams of ``α·range`` (:func:`~coreai_opt.quantization.spec.rounding_math.rtn_qparams`) are
 tried and the one with the smallest weighted error ``e = Σ_j h_j (w_j − ŵ_j)²`` is kept. Then
 :attr:`MSERounding.refinements` rounds of ``s ← Σ h w (q − z) / Σ h (q − z)²; q ← round(w / s) + z`` are applied
-while they lower ``e`` (the zero point stays an integer). ``α = 1`` is on the grid, so no group ends worse than
-round-to-nearest.
+while they lower ``e``; with an asymmetric scheme each round also tries the integer zero points ``z ± 1`` (with
+their own least-squares scale), so the zero point stays an integer. ``α = 1`` is on the grid, so no group ends
+worse than round-to-nearest.
 
 ``h_j = E[x_j²]`` of the input channel ``j`` the weight element multiplies, when the linear's inputs were observed
 (``E‖x Wᵀ − x Ŵᵀ‖²`` then equals ``Σ_rows e`` up to the cross terms between channels, the diagonal
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from coreai_opt.quantization.spec.granularity import Granularity
+from coreai_opt.quantization.spec.granularity import Granularity, QuantizationScheme
 from coreai_opt.quantization.spec.input_statistics import InputStatistics
 from coreai_opt.quantization.spec.rounding_math import (
     dequantize_rows,
@@ -61,16 +62,22 @@ def search_rows(
         best_err = torch.where(better, err, best_err)
         best_q = torch.where(better[:, None], q, best_q)
         best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    shifts = (0, -1, 1) if QuantizationScheme(spec.qscheme) is QuantizationScheme.ASYMMETRIC else (0,)
     for _ in range(refinements):
-        s = least_squares_scale(rows, best_q, best_z, importance)
-        q = quantize_rows(rows, s, best_z, qmin, qmax)
-        err = row_error(rows, dequantize_rows(q, s, best_z), importance)
-        better = err < best_err
-        if not bool(better.any()):
+        improved = False
+        for shift in shifts:
+            z = torch.clamp(best_z + shift, qmin, qmax)
+            s = least_squares_scale(rows, quantize_rows(rows, best_s, z, qmin, qmax), z, importance)
+            q = quantize_rows(rows, s, z, qmin, qmax)
+            err = row_error(rows, dequantize_rows(q, s, z), importance)
+            better = err < best_err
+            if bool(better.any()):
+                improved = True
+                best_err = torch.where(better, err, best_err)
+                best_q = torch.where(better[:, None], q, best_q)
+                best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+        if not improved:
             break
-        best_err = torch.where(better, err, best_err)
-        best_q = torch.where(better[:, None], q, best_q)
-        best_s = torch.where(better, s, best_s)
     return best_q, best_s, best_z
 
 
