@@ -1,10 +1,11 @@
 """Ready-made :class:`QuantizerConfig` presets, reachable as ``QuantizerConfig.presets.<name>()``.
 
 * ``w8``: int8 symmetric per-channel (axis 0) weights (minmax / static); float activations.
-* ``w4(block_size=32)``: int4 symmetric per-block (axis 1) weights; float activations.
+* ``w4(block_size=32, algorithm="gptq", qscheme="symmetric")``: int4 per-block (axis 1) weights rounded by GPTQ
+  (needs ``calibrate``; ``algorithm="rtn"`` / ``"hqq"`` / ``"mse"`` are data-free); float activations.
 * ``w8a8``: int8 per-channel weights + uint8 asymmetric per-tensor activations (minmax / global_minmax).
 * ``w8a8_sym``: int8 per-channel weights + int8 symmetric per-tensor activations.
-* ``w4a8``: int4 per-block (axis 1, 32) weights + uint8 asymmetric per-tensor activations.
+* ``w4a8``: int4 per-block (axis 1, 32) weights as ``w4`` + uint8 asymmetric per-tensor activations.
 * ``w8a16``: int8 per-channel weights + uint16 asymmetric per-tensor activations.
 * ``fp8``: float8_e4m3fn symmetric weights (per-channel, axis 0) and activations (per-tensor).
 * ``w8a8_dynamic``: linears only: int8 per-channel weights + uint8 per-tensor activations whose qparams are
@@ -68,8 +69,8 @@ ACTIVATION_RANGES: dict[str, tuple[str, str]] = {
 }
 
 
-#: Default weight rounding of ``w4`` / ``w4a8`` (measured on MiniLM: see docs/int4.md).
-W4_ALGORITHM: str | None = "mse"
+#: Default weight rounding of ``w4`` / ``w4a8``: the best on MiniLM (docs/weight_rounding.md).
+W4_ALGORITHM: str | None = "gptq"
 #: Default weight scheme of ``w4`` / ``w4a8``.
 W4_QSCHEME: str = "symmetric"
 

@@ -54,7 +54,7 @@ def test_statistics_observe_only_the_linear_input_edges_and_change_no_value() ->
     prepared = co.prepare(model, _config("gptq"), (data[0],))
     calls = [n.target for n in prepared.graph.nodes if n.op == "call_module" and n.target.endswith(".statistics")]
     assert calls == ["fc1_weight_fq.rounding.statistics", "fc2_weight_fq.rounding.statistics"]
-    assert not prepared.conv_weight_fq.rounding.statistics.attached  # conv: data-free (RTN) path
+    assert not prepared.conv_weight_fq.rounding.statistics.attached  # conv: data-free path
     stats = prepared.fc1_weight_fq.rounding.statistics
     stats.enabled = True
     with torch.no_grad():
@@ -66,16 +66,16 @@ def test_gptq_calibration_is_repeatable_releases_the_hessians_and_leaves_the_mod
     model, data = _model(), _data()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prepared = co.prepare(model, _config("gptq"), (data[0],))
-    rtn = _roundings(prepared)  # before calibration: the data-free path
+    data_free = _roundings(prepared)  # before calibration: the data-free path (clip search)
     co.calibrate(prepared, data, progress=False)
     first = _roundings(prepared)
     assert prepared.fc1_weight_fq.rounding.statistics.xtx.numel() == 0  # released after use
     co.calibrate(prepared, data, progress=False)
     second = _roundings(prepared)
     assert all(torch.equal(first[k], second[k]) for k in first)
-    changed = (first["fc1.weight"] != rtn["fc1.weight"]).float().mean().item()
-    assert changed > 0.05  # GPTQ really moved integers away from round-to-nearest
-    assert torch.equal(first["conv.weight"], rtn["conv.weight"])  # no input statistics: RTN
+    changed = (first["fc1.weight"] != data_free["fc1.weight"]).float().mean().item()
+    assert changed > 0.05  # GPTQ really moved integers away from the data-free rounding
+    assert torch.equal(first["conv.weight"], data_free["conv.weight"])  # no input statistics: data-free path
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -20,8 +20,9 @@ reached; with activation order, per-channel or per-tensor granularity they come 
 (static groups, so that a permutation never splits a block). Memory: ``W``, ``H`` and ``U`` of this one layer.
 Deterministic (no random numbers; fixed-order float arithmetic).
 
-Weights without a Hessian (no linear input edge: convolutions, embeddings) are rounded by
-:class:`~coreai_opt.quantization.spec.weight_rounding.RTNRounding`'s rule.
+Weights without a Hessian (no linear input edge: convolutions, embeddings) are rounded by the data-free clip
+search of :class:`~coreai_opt.quantization.spec.rounding_mse.MSERounding` (for an embedding table the weight
+error *is* the output error, and the search never ends above round-to-nearest).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from coreai_opt.quantization.spec.granularity import PerBlock, PerChannel, PerTe
 from coreai_opt.quantization.spec.input_statistics import InputStatistics
 from coreai_opt.quantization.spec.rounding_math import rtn_qparams
 from coreai_opt.quantization.spec.rounding_mse import MSERounding, search_rows
-from coreai_opt.quantization.spec.weight_rounding import WEIGHT_ROUNDING, RoundedWeight, RTNRounding
+from coreai_opt.quantization.spec.weight_rounding import WEIGHT_ROUNDING, RoundedWeight
 
 __all__ = ["GPTQRounding", "GPTQClipSearchRounding", "inverse_hessian_factor"]
 
@@ -58,8 +59,8 @@ def inverse_hessian_factor(hessian: Tensor, damping: float) -> Tensor:
 
 
 @WEIGHT_ROUNDING.register("gptq")
-class GPTQRounding(RTNRounding):
-    """GPTQ for linear weights (module docstring); round-to-nearest for weights without input statistics.
+class GPTQRounding(MSERounding):
+    """GPTQ for linear weights (module docstring); the data-free clip search for weights without input statistics.
 
     Class attributes (subclass and register to change them):
         damping: ``λ``, fraction of the mean Hessian diagonal added to the diagonal (0.01).
