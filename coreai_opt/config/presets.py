@@ -1,7 +1,7 @@
 """Ready-made :class:`QuantizerConfig` presets, reachable as ``QuantizerConfig.presets.<name>()``.
 
 * ``w8``: int8 symmetric per-channel (axis 0) weights (minmax / static); float activations.
-* ``w4(block_size=32, algorithm="gptq", qscheme="symmetric")``: int4 per-block (axis 1) weights rounded by GPTQ
+* ``w4(block_size=32, algorithm="gptq", qscheme="asymmetric")``: int4 per-block (axis 1) weights rounded by GPTQ
   (needs ``calibrate``; ``algorithm="rtn"`` / ``"hqq"`` / ``"mse"`` are data-free); float activations.
 * ``w8a8``: int8 per-channel weights + uint8 asymmetric per-tensor activations (minmax / global_minmax).
 * ``w8a8_sym``: int8 per-channel weights + int8 symmetric per-tensor activations.
@@ -71,8 +71,9 @@ ACTIVATION_RANGES: dict[str, tuple[str, str]] = {
 
 #: Default weight rounding of ``w4`` / ``w4a8``: the best on MiniLM (docs/weight_rounding.md).
 W4_ALGORITHM: str | None = "gptq"
-#: Default weight scheme of ``w4`` / ``w4a8``.
-W4_QSCHEME: str = "symmetric"
+#: Default weight scheme of ``w4`` / ``w4a8``: asymmetric (integer zero point per block) measured above symmetric
+#: with GPTQ on MiniLM at block 32 (mean cos 0.9906 vs 0.9889; docs/weight_rounding.md).
+W4_QSCHEME: str = "asymmetric"
 
 
 class PresetInfo(NamedTuple):
