@@ -15,6 +15,8 @@ key        what it does                                                         
            remaining columns through the inverse Hessian of the layer input
 =========  =====================================================================  ============
 
+``gptq_mse`` is GPTQ whose block qparams come from the clip search weighted by ``H_jj``.
+
 Every algorithm returns a :class:`RoundedWeight` in the spec's dtype and granularity, so the quantizer's
 output is exactly ``(q − z)·s``, representable as ``DequantizeLinear(int W, s, z)`` and identical in eager and
 ONNX. The result lives in the algorithm module (buffers ``qweight``, ``scale``, ``zero_point`` and the
