@@ -3,7 +3,7 @@
 ``prepare`` runs them as a recipe::
 
     capture (→ functionalize_inplace) → decompose_attention → classify_ops → functionalize_weights →
-    fold_batchnorm → annotate → insert_quantizers
+    fold_batchnorm → annotate → insert_quantizers → insert_weight_statistics
 
 and ``convert`` runs ``drop_redundant_activations``. Passes that delete nodes use
 :func:`~coreai_opt.passes.dead_code.remove_dead_nodes` (never ``Graph.eliminate_dead_code``, which deletes in-place
@@ -25,6 +25,7 @@ from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_inplace import functionalize_inplace
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
+from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.node_meta import META_KEY, NodeMeta, QuantizerInfo, Role, get_meta
 from coreai_opt.passes.op_kinds import OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
@@ -51,6 +52,7 @@ __all__ = [
     "functionalize_weights",
     "get_meta",
     "insert_quantizers",
+    "insert_weight_statistics",
     "lookup_op",
     "remove_dead_nodes",
 ]

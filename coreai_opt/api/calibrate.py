@@ -31,6 +31,7 @@ from coreai_opt.api._state import (
     commit_weight_qparams,
     fake_quantizers,
     graph_meta,
+    input_statistics,
     weight_quantizer_inputs,
 )
 from coreai_opt.api.batches import as_call
@@ -164,6 +165,10 @@ def _calibrate_in_place(
         fq.enable_fake_quant(False)
     for bq in biases:  # the input scale is a placeholder / stale until commit: keep the float bias meanwhile
         bq.enable_fake_quant(False)
+    statistics = input_statistics(prepared)  # data-aware weight rounding (GPTQ ...) observes the linears' inputs
+    for stats in statistics:
+        stats.reset()
+        stats.enabled = True
     prepared.eval()
     count = 0
     total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
@@ -203,4 +208,6 @@ def _calibrate_in_place(
             fq.enable_fake_quant(fake_quant)
         for bq, fake_quant in zip(biases, saved_biases, strict=True):
             bq.enable_fake_quant(fake_quant)
+        for stats in statistics:
+            stats.enabled = False
         prepared.train(was_training)

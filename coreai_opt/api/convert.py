@@ -63,6 +63,13 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
             f"{len(missing)} activation quantizer(s) were never calibrated: {', '.join(missing)}; run "
             "coreai_opt.calibrate(prepared, data) with batches that reach them before convert"
         )
+    waiting = [fq.name for _, fq in quantizers if fq.rounding is not None and bool(fq.rounding.awaiting_data)]
+    if waiting:
+        raise ValueError(
+            f"{len(waiting)} weight quantizer(s) round from calibration data that was never observed (or the weight "
+            f"changed since): {', '.join(waiting)}; run coreai_opt.calibrate(prepared, data) before convert, or "
+            "use a data-free weight_rounding ('rtn', 'hqq', 'mse')"
+        )
     for _, fq in quantizers:
         fq.set_export_mode(True)
     for _, bq in bias_quantizers(gm):  # frozen like set_export_mode: fake quantization on

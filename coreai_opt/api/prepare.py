@@ -38,6 +38,7 @@ from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
+from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.node_meta import META_KEY, get_meta
 
 __all__ = ["prepare"]
@@ -140,6 +141,7 @@ def prepare(
     check_activation_axes(gm, example_inputs, kwargs)
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
+    gm = insert_weight_statistics(gm).graph_module  # data-aware weight rounding observes the linears' inputs
     warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),
                            stacklevel=_USER_STACKLEVEL)
     commit_weight_qparams(gm)

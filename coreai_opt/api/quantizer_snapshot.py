@@ -9,7 +9,8 @@ What is saved (nothing of the float model: weights and non-quantizer buffers are
 * the "committed from this weight" records of the weight quantizers (:func:`~coreai_opt.api._state.commit_records`).
 
 Cost: buffers are cloned, except those of weight quantizers whose weight is unchanged since their last commit
-(calibrate neither observes nor recommits them; only their small flag buffers are cloned). So the snapshot is the
+(calibrate neither observes nor recommits them; only their small flag buffers are cloned), and those whose weight
+rounding is data-aware (GPTQ, weighted MSE: their integers and statistics are always cloned). So the snapshot is the
 size of the activation statistics (per-tensor min/max: a few bytes; a histogram: ``num_bins`` int64 per row) plus
 the qparams of weights that changed since the last commit; :attr:`QuantizerSnapshot.nbytes` reports it.
 
@@ -89,6 +90,11 @@ class _SavedModule:
         return sum(b.copy.numel() * b.copy.element_size() for b in self.buffers.values() if b.copy is not None)
 
 
+def _rounds_with_data(fq: FakeQuantize) -> bool:
+    """True when ``fq``'s weight rounding collects input statistics (its integers change at every calibrate)."""
+    return fq.rounding is not None and fq.rounding.statistics is not None
+
+
 class QuantizerSnapshot:
     """Everything ``calibrate`` may change in ``model``; :meth:`restore` puts it back exactly.
 
@@ -104,7 +110,8 @@ class QuantizerSnapshot:
     def __init__(self, model: fx.GraphModule) -> None:
         weight_quantizers = [fq for fq, _ in weight_quantizer_inputs(model)]
         stale = {id(fq) for fq, _ in stale_weight_quantizers(model)}
-        untouched = {id(fq) for fq in weight_quantizers if id(fq) not in stale}
+        # data-aware weight rounding (GPTQ ...) observes and re-rounds during calibrate: always cloned
+        untouched = {id(fq) for fq in weight_quantizers if id(fq) not in stale and not _rounds_with_data(fq)}
         self._modules: list[_SavedModule] = []
         for root in model.modules():
             if isinstance(root, (FakeQuantize, BiasFakeQuantize)):

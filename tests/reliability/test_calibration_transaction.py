@@ -273,3 +273,26 @@ def test_calibrate_re_entered_from_its_data_iterator_raises_and_rolls_back(calib
         co.calibrate(calibrated, reentrant(), progress=False)
     _assert_same_state(before, _full_state(calibrated))
     co.calibrate(calibrated, cnn_batches(), progress=False)  # the guard was released
+
+
+def test_failed_calibrate_of_a_gptq_weight_model_restores_the_rounded_weights_and_hessians(monkeypatch):
+    """GPTQ re-rounds its weights from new Hessians inside calibrate: a failure after that restores both exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    config = co.QuantizerConfig.presets.w4(block_size=32, algorithm="gptq")
+    first = [torch.randn(16, 64) for _ in range(4)]
+    prepared = co.prepare(model, config, (first[0],))
+    co.calibrate(prepared, first, progress=False)
+    before = _full_state(prepared)
+    expected = co.convert(prepared)(first[0])
+    real_commit = calibrate_module.commit_weight_qparams
+
+    def commit_then_fail(gm: fx.GraphModule, **kwargs: Any) -> int:
+        assert real_commit(gm, **kwargs) == 2  # both linears re-rounded from the new statistics
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(calibrate_module, "commit_weight_qparams", commit_then_fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        co.calibrate(prepared, [3.0 * torch.randn(16, 64) + 1.0 for _ in range(4)], progress=False)
+    _assert_same_state(before, _full_state(prepared))
+    assert torch.equal(co.convert(prepared)(first[0]), expected)

@@ -39,11 +39,13 @@ def _registries() -> dict[str, Registry]:
     from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE
     from coreai_opt.quantization.spec.qparams_calculators import QPARAMS_CALCULATORS
     from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
+    from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING
 
     return {
         "range_calculator": RANGE_CALCULATORS,
         "qparams_calculator": QPARAMS_CALCULATORS,
         "fake_quantize": FAKE_QUANTIZE,
+        "weight_rounding": WEIGHT_ROUNDING,
     }
 
 
@@ -61,6 +63,9 @@ class QuantizationSpec(BaseModel):
         percentile: Percentile kept by the ``"percentile"`` range calculator.
         num_bins: Histogram bins of the histogram range calculators.
         fake_quantize: Fake-quantize module key (``"default"``).
+        weight_rounding: Weight-rounding algorithm key (``"rtn"``, ``"mse"``, ``"hqq"``, ``"gptq"``; see
+            :mod:`~coreai_opt.quantization.spec.weight_rounding`), or ``None``: round to nearest with the
+            calculator's qparams. Integer dtypes of at most 8 bits, ``qparams_calculator="static"``.
 
     Example:
         >>> s = QuantizationSpec(dtype=torch.int8, granularity={"type": "per_channel", "axis": 0})
@@ -80,6 +85,7 @@ class QuantizationSpec(BaseModel):
     percentile: float = 99.99
     num_bins: int = 2048
     fake_quantize: str = "default"
+    weight_rounding: str | None = None
 
     # ----------------------------------------------------------------------------------- field validators
     @model_validator(mode="before")
@@ -114,6 +120,19 @@ class QuantizationSpec(BaseModel):
             return registry.key_of(registry.resolve(value))
         if not isinstance(value, str):
             raise TypeError(f"{field} must be a registry key (str) or a registered class, got {value!r}")
+        registry.get_class(value)  # raises listing the known keys
+        return value
+
+    @field_validator("weight_rounding", mode="before")
+    @classmethod
+    def _check_weight_rounding(cls, value: Any) -> str | None:
+        if value is None:
+            return None
+        registry = _registries()["weight_rounding"]
+        if isinstance(value, type):
+            return registry.key_of(registry.resolve(value))
+        if not isinstance(value, str):
+            raise TypeError(f"weight_rounding must be a registry key (str), a registered class or None, got {value!r}")
         registry.get_class(value)  # raises listing the known keys
         return value
 
@@ -176,6 +195,11 @@ class QuantizationSpec(BaseModel):
             raise ValueError(
                 f"range_calculator={self.range_calculator!r} accumulates every batch itself and needs "
                 f"qparams_calculator='static', got qparams_calculator={self.qparams_calculator!r}"
+            )
+        if self.weight_rounding is not None and (info.is_float or info.bits > 8 or self.qparams_calculator != "static"):
+            raise ValueError(
+                f"weight_rounding={self.weight_rounding!r} needs an integer dtype of at most 8 bits and "
+                f"qparams_calculator='static', got dtype={self.dtype!r}, qparams_calculator={self.qparams_calculator!r}"
             )
         if getattr(qparams_cls, "stateless", False):
             if self.range_calculator != "minmax":
