@@ -52,5 +52,6 @@ def matmul_nbits_case(m: int, k: int, n: int, bits: int, block_size: int, accura
     ]
     graph = helper.make_graph([node], "matmul_nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [m, k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, n])], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     return MatMulNBitsCase(model, weight.astype(np.float32))
