@@ -47,6 +47,7 @@ __all__ = ["Divergence", "localize_divergence"]
 
 _CALL = re.compile(r"(?:^|/)quantize_dequantize(?:_(\d+))?: coreai_opt\.quantize_dequantize\.default$")
 _WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.Embedding)
+_WEIGHTED_NAMES = frozenset(f"{cls.__module__}.{cls.__qualname__}" for cls in _WEIGHTED)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ def _weighted_scope(node: torch.fx.Node) -> str | None:
     if not stack:
         return None
     path, cls = list(stack.values())[-1]
+    if isinstance(cls, str):  # torch.export stores the qualified class name
+        return path if cls in _WEIGHTED_NAMES else None
     return path if isinstance(cls, type) and issubclass(cls, _WEIGHTED) else None
 
 
@@ -328,6 +331,8 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
         eager = {b.tensor: eager_calls[b.call] for b in boundaries if b.call < len(eager_calls)}
     else:
         modules = {name for name, m in model.named_modules() if isinstance(m, _WEIGHTED)}
+        if isinstance(model, torch.fx.GraphModule):  # functionalized layers: their scopes live in node metadata
+            modules |= {scope for n in model.graph.nodes if (scope := _weighted_scope(n)) is not None}
         boundaries, kind = _layer_boundaries(exported, modules), "layer"
         by_call = _eager_layer_outputs(model, batch, modules)
         eager = {b.tensor: by_call[b.module, b.call] for b in boundaries if (b.module, b.call) in by_call}
