@@ -273,13 +273,15 @@ def _local_kernels(optimized: onnx.ModelProto, tensor: str, boundaries: set[str]
 
 
 def _classify(kernels: Counter[str], optimized: onnx.ModelProto) -> str:
-    diverging = {n.op_type: kernel_numerics(n).why for n in optimized.graph.node
-                 if n.op_type in kernels and kernel_numerics(n) is not None
-                 and kernel_numerics(n).status is Status.DIVERGES}
+    entries = {n.op_type: kernel_numerics(n) for n in optimized.graph.node if n.op_type in kernels}
+    diverging = [(op, e.why) for op, e in entries.items() if e is not None and e.status is Status.DIVERGES]
     if diverging:
-        op, why = next(iter(diverging.items()))
+        op, why = diverging[0]
         return f"an op onnxruntime computes differently: {op} ({why})"
-    requantizing = sorted(op for op in kernels if op.startswith("Q") or op.startswith("Nhwc"))
+    unknown = sorted(op for op, e in entries.items() if e is None)
+    if unknown:
+        return f"kernels missing from the ort_kernels table ({', '.join(unknown)})"
+    requantizing = sorted(op for op, e in entries.items() if e.integer_output)
     if requantizing:
         return f"a kernel's requantisation rounding ({', '.join(requantizing)})"
     if kernels:

@@ -60,3 +60,18 @@ def test_float8_steps_follow_the_grid_spacing_at_the_value() -> None:
     # e4m3fn: spacing 2^(e-3) in binade [2^e, 2^(e+1)), subnormal spacing 2^-9 below 2^-6
     assert element_steps(step, ref, ref).tolist() == [0.5 * 2.0**-3, 0.5 * 2.0**5, 0.5 * 2.0**-9]
     assert element_steps(OutputStep(np.array(0.5), 1, TensorProto.UINT16), ref, ref) == 0.5
+
+
+def test_divergence_reasons_are_classified_from_the_kernel_table() -> None:
+    from collections import Counter
+
+    from coreai_opt.onnx.localize import _classify
+
+    nodes = [helper.make_node("QLinearConv", ["x"], ["a"], domain="com.microsoft"),
+             helper.make_node("QuickGelu", ["a"], ["b"], domain="com.microsoft"),
+             helper.make_node("Conv", ["b"], ["y"])]
+    model = _model(nodes, [])
+    assert _classify(Counter({"QuickGelu": 1, "Conv": 1}), model) == "float accumulation order (Conv, QuickGelu)"
+    requantizing = _classify(Counter({"QLinearConv": 1, "Conv": 1}), model)
+    assert requantizing == "a kernel's requantisation rounding (QLinearConv)"
+    assert _classify(Counter(), model).startswith("every op between the boundaries is exact")
