@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 __all__ = ["Runner", "RUNTIMES", "OPENVINO_CONFIG", "open_runner"]
 
@@ -74,8 +75,12 @@ def _openvino(path: Path) -> Runner:
     except RuntimeError as error:
         detail = " | ".join(line.strip() for line in str(error).splitlines() if line.strip())
         raise RuntimeError(f"OpenVINO could not compile {path.name}: {detail}") from error
-    inputs = [i.get_any_name() for i in compiled.inputs]
-    outputs = [o.get_any_name() for o in compiled.outputs]
+    # OpenVINO keeps the file's input and output order but may report another alias of a tensor it merged
+    # (16-bit QDQ stripping renames outputs): take the names from the file.
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {t.name for t in graph.initializer}
+    inputs = [i.name for i in graph.input if i.name not in initializers]
+    outputs = [o.name for o in graph.output]
     return Runner("openvino", inputs, outputs, compiled)
 
 
