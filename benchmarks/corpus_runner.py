@@ -35,7 +35,6 @@ import coreai_opt as co
 from benchmarks.corpus_models import CorpusModel
 from benchmarks.latency import measure
 from benchmarks.onnx_utils import FLOAT_OPSET, session
-from coreai_opt.onnx.verify import FLOAT_RELATIVE_TOLERANCE, MAX_OUTPUT_STEPS
 
 __all__ = ["CorpusRow", "RunOptions", "decisive_flips", "run_corpus_model", "sqnr_db", "top1_agreement"]
 
@@ -227,8 +226,7 @@ def _ours(entry: CorpusModel, model: nn.Module, calib: list[Batch], evals: list[
         return None
     output = report.outputs[0]
     row.verify_ok, row.verify_steps = report.ok, output.max_diff_steps
-    row.tolerance = (MAX_OUTPUT_STEPS * output.step if output.step is not None
-                     else FLOAT_RELATIVE_TOLERANCE * output.reference_range)
+    row.tolerance = output.tolerance
     row.int_ours, row.float_ours = report.fusion.num_integer_compute, report.fusion.num_float_compute
     row.other_int_ours = dict(report.fusion.other_quantized)
     row.batchnorm_ours = sum(n.op_type == "BatchNormalization" for n in onnx.load(str(path)).graph.node)

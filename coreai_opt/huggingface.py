@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from coreai_opt.error_boundary import public_api
+from coreai_opt.errors import CoreaiOptError
 
 __all__ = ["PretrainedModel", "MissingExtraError", "from_pretrained", "is_pretrained_directory", "IMAGE_SUFFIXES"]
 
@@ -38,7 +39,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(CoreaiOptError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
 
 
@@ -180,7 +181,10 @@ def _model_class(transformers: Any, config: Any, directory: Path) -> Any:
     names = list(getattr(config, "architectures", None) or [])
     if not names:
         return transformers.AutoModel
-    cls = getattr(transformers, names[0], None)
+    try:
+        cls = getattr(transformers, names[0], None)
+    except ModuleNotFoundError as exc:  # transformers' lazy import of the class failed underneath
+        raise MissingExtraError(_lazy_import_problem(names[0], exc)) from exc
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise ValueError(
             f"{directory}/config.json names the architecture {names[0]!r}, which is not built into transformers "
@@ -188,6 +192,25 @@ def _model_class(transformers: Any, config: Any, directory: Path) -> Any:
             "(trust_remote_code stays off). Load it yourself and pass a file.py:factory instead"
         )
     return cls
+
+
+def _lazy_import_problem(name: str, exc: ModuleNotFoundError) -> str:
+    """Name the real cause of a failed lazy import (transformers hides it behind a generic message)."""
+    cause = exc.__cause__
+    while cause is not None and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is not None and "torchvision::" in str(cause):
+        return (f"transformers could not import {name} because the installed torchvision does not match torch "
+                f"({cause}); install the torchvision build made for torch {_torch_version()}, or uninstall "
+                "torchvision (text models do not need it)")
+    detail = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+    return f"transformers could not import {name}{detail}; fix or reinstall the package named there"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _load_preprocessor(transformers: Any, directory: Path, modality: str) -> Any:
