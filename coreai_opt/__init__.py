@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "enable_fake_quant": "coreai_opt.api",
     "load_state_dict": "coreai_opt.api",
     "smooth_quant": "coreai_opt.api.smooth_quant",
+    "awq": "coreai_opt.api.awq",
     "search_calibration": "coreai_opt.api.calibration_search",
     "sensitivity": "coreai_opt.api.sensitivity",
     "keep_sensitive": "coreai_opt.api.sensitivity",
