@@ -29,7 +29,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from coreai_opt.passes.node_meta import META_KEY, NodeMeta, set_meta
+from coreai_opt.passes.graph_meta import GraphMeta, set_graph_meta
+from coreai_opt.passes.node_meta import NodeMeta, set_meta
 
 __all__ = ["capture", "CaptureError"]
 
@@ -215,7 +216,8 @@ def capture(
         concrete_args: Arguments FX specialises on (e.g. Python flags that drive control flow).
 
     Returns:
-        The GraphModule, with ``gm.meta["coreai_opt"] = {"capture": "fx" | "export", "input_names": [...]}``.
+        The GraphModule, with ``GraphMeta(capture="fx" | "export", input_names=(...))`` in
+        ``gm.meta["coreai_opt"]`` (:mod:`coreai_opt.passes.graph_meta`).
 
     Raises:
         TypeError: ``example_args`` is not a tuple.
@@ -224,7 +226,8 @@ def capture(
 
     Example:
         >>> gm = capture(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), (torch.randn(1, 4),))
-        >>> gm.meta["coreai_opt"]["capture"], [n.op for n in gm.graph.nodes]
+        >>> from coreai_opt.passes.graph_meta import get_graph_meta
+        >>> get_graph_meta(gm).capture, [n.op for n in gm.graph.nodes]
         ('fx', ['placeholder', 'call_module', 'call_module', 'output'])
     """
     if not isinstance(example_args, tuple):
@@ -260,5 +263,5 @@ def capture(
     logger.info("captured %s with %s", type(model).__name__, used)
     _record_scopes(gm, copied)
     names = [p for p in inspect.signature(model.forward).parameters if p not in (concrete_args or {})]
-    gm.meta[META_KEY] = {"capture": used, "converted": False, "input_names": names}
+    set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names)))
     return gm

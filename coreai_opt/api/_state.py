@@ -1,28 +1,16 @@
-"""Shared look-ups of the API modules: the coreai_opt graph metadata and the quantizer modules."""
+"""Shared look-ups of the API modules: the quantizer modules of a prepared model and the weight commits."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 from torch import fx, nn
 
-from coreai_opt.passes.node_meta import META_KEY, Role, get_meta
+from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, StatefulQParamsCalculatorBase
 
-__all__ = ["graph_meta", "fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
-
-
-def graph_meta(model: object, caller: str) -> dict[str, Any]:
-    """Return ``model.meta["coreai_opt"]`` or raise naming the step that produces it."""
-    meta = getattr(model, "meta", None)
-    if not isinstance(model, fx.GraphModule) or not isinstance(meta, dict) or META_KEY not in meta:
-        raise TypeError(
-            f"{caller} expects a model returned by coreai_opt.prepare(...), got {type(model).__name__}; "
-            "call prepared = coreai_opt.prepare(model, config, example_inputs) first"
-        )
-    return meta[META_KEY]
+__all__ = ["fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
 
 
 def fake_quantizers(model: nn.Module) -> list[tuple[str, FakeQuantize]]:

@@ -26,22 +26,17 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from coreai_opt.api._state import (
-    bias_quantizers,
-    commit_weight_qparams,
-    fake_quantizers,
-    graph_meta,
-    weight_quantizer_inputs,
-)
+from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers, weight_quantizer_inputs
 from coreai_opt.api.batches import as_call
 from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
+from coreai_opt.passes.graph_meta import GraphMeta, require_graph_meta
 
 __all__ = ["calibrate"]
 
 
-def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    specs = meta.get("input_specs", [])
-    names = list(meta.get("input_names", []))
+def _check_inputs(meta: GraphMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    specs = meta.input_specs
+    names = list(meta.input_names)
     if names and len(args) > len(names):
         raise ValueError(
             f"calibration batch has {len(args)} positional inputs but the model takes {len(names)} "
@@ -54,31 +49,30 @@ def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str,
             f"are {', '.join(names)}; use those names as dict keys"
         )
     given = dict(zip(names, args, strict=False)) | kwargs
-    strict_shape = meta.get("capture") == "export"
+    strict_shape = meta.capture == "export"
     for spec in specs:
-        value = given.get(spec["name"])
+        value = given.get(spec.name)
         if not isinstance(value, torch.Tensor):
             continue
-        expected = f"{spec['dtype']} of shape {tuple(spec['shape'])} (batch dimension free)"
-        if str(value.dtype).removeprefix("torch.") != spec["dtype"] or value.dim() != len(spec["shape"]):
+        expected = f"{spec.dtype} of shape {spec.shape} (batch dimension free)"
+        if str(value.dtype).removeprefix("torch.") != spec.dtype or value.dim() != len(spec.shape):
             raise ValueError(
-                f"calibration input '{spec['name']}' is {str(value.dtype).removeprefix('torch.')} of shape "
+                f"calibration input '{spec.name}' is {str(value.dtype).removeprefix('torch.')} of shape "
                 f"{tuple(value.shape)} but the example input was {expected}; pass batches like the example input"
             )
-        if strict_shape and list(value.shape[1:]) != spec["shape"][1:]:
+        if strict_shape and tuple(value.shape[1:]) != spec.shape[1:]:
             raise ValueError(
-                f"calibration input '{spec['name']}' has shape {tuple(value.shape)} but the exported graph was "
+                f"calibration input '{spec.name}' has shape {tuple(value.shape)} but the exported graph was "
                 f"specialised to {expected}; only the batch dimension may change"
             )
 
 
-def _shape_hint(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    given = dict(zip(meta.get("input_names", []), args, strict=False)) | kwargs
-    for spec in meta.get("input_specs", []):
-        value = given.get(spec["name"])
-        if isinstance(value, torch.Tensor) and list(value.shape[1:]) != spec["shape"][1:]:
-            return (f"input '{spec['name']}' has shape {tuple(value.shape)}, the example input had "
-                    f"{tuple(spec['shape'])}; ")
+def _shape_hint(meta: GraphMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    given = dict(zip(meta.input_names, args, strict=False)) | kwargs
+    for spec in meta.input_specs:
+        value = given.get(spec.name)
+        if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) != spec.shape[1:]:
+            return f"input '{spec.name}' has shape {tuple(value.shape)}, the example input had {spec.shape}; "
     return ""
 
 
@@ -106,8 +100,8 @@ def calibrate(
         TypeError: ``prepared`` was not produced by ``prepare``.
         ValueError: converted model, empty data, bad ``sync``/``max_batches``, or a batch unlike the example.
     """
-    meta = graph_meta(prepared, "calibrate")
-    if meta.get("converted"):
+    meta = require_graph_meta(prepared, "calibrate")
+    if meta.converted:
         raise ValueError("calibrate needs a prepared model, got a converted one; calibrate before convert")
     if sync not in SYNC_MODES:
         raise ValueError(f"sync={sync!r} is not one of {SYNC_MODES}; use sync='auto'")

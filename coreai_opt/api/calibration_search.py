@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from coreai_opt.api._state import fake_quantizers, graph_meta
+from coreai_opt.api._state import fake_quantizers
 from coreai_opt.api.batches import as_call
+from coreai_opt.passes.graph_meta import require_graph_meta
 from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, FakeQuantize, StatefulQParamsCalculatorBase
@@ -128,8 +129,7 @@ def search_calibration(prepared: fx.GraphModule, data: Iterable[Any], *,
         TypeError: ``prepared`` was not produced by ``prepare``.
         ValueError: unknown candidate, no data, or a converted model.
     """
-    meta = graph_meta(prepared, "search_calibration")
-    if meta.get("converted"):
+    if require_graph_meta(prepared, "search_calibration").converted:
         raise ValueError("search_calibration needs a prepared model, got a converted one; search before convert")
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown or not candidates:

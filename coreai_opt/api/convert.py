@@ -9,12 +9,13 @@ redundant by their output quantizer are removed (exact, see
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from torch import fx
 
-from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
-from coreai_opt.passes.node_meta import META_KEY
+from coreai_opt.passes.graph_meta import require_graph_meta, set_graph_meta
 from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
 
 __all__ = ["convert"]
@@ -27,15 +28,15 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         prepared: A model from ``prepare``, calibrated unless it quantizes weights only.
 
     Returns:
-        The converted GraphModule in eval mode, ``meta["coreai_opt"]["converted"] = True``.
+        The converted GraphModule in eval mode, ``GraphMeta.converted = True``.
 
     Raises:
         TypeError: ``prepared`` was not produced by ``prepare``.
         ValueError: already converted, activation quantizers that were never calibrated, or stateless
             quantizers that cannot export (``DynamicFakeQuantize`` can); the quantizers are named.
     """
-    meta = graph_meta(prepared, "convert")
-    if meta.get("converted"):
+    meta = require_graph_meta(prepared, "convert")
+    if meta.converted:
         raise ValueError("this model is already converted; convert the prepared model instead")
     gm = copy.deepcopy(prepared)
     commit_weight_qparams(gm)
@@ -60,5 +61,5 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         bq.enable_fake_quant(True)
     gm = drop_redundant_activations(gm).graph_module
     gm.eval()
-    gm.meta[META_KEY] = {**meta, "converted": True}
+    set_graph_meta(gm, replace(meta, converted=True))
     return gm

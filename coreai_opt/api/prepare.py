@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,19 +32,16 @@ from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
+from coreai_opt.passes.graph_meta import InputSpec, get_graph_meta, set_graph_meta
 from coreai_opt.passes.insert_quantizers import insert_quantizers
-from coreai_opt.passes.node_meta import META_KEY
 
 __all__ = ["prepare"]
 
 
-def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[InputSpec, ...]:
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    specs = []
-    for name, value in bound.arguments.items():
-        if isinstance(value, torch.Tensor):
-            specs.append({"name": name, "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)})
-    return specs
+    return tuple(InputSpec(name, str(value.dtype).removeprefix("torch."), tuple(value.shape))
+                 for name, value in bound.arguments.items() if isinstance(value, torch.Tensor))
 
 
 def prepare(
@@ -70,8 +68,9 @@ def prepare(
         qat: Prepare for quantization-aware training (train mode, observers and fake quantization on).
 
     Returns:
-        The prepared GraphModule; ``prepared.meta["coreai_opt"]`` holds ``capture``, ``converted``,
-        ``input_names``, ``config``, ``qat`` and ``input_specs``.
+        The prepared GraphModule; its :class:`~coreai_opt.passes.graph_meta.GraphMeta`
+        (``get_graph_meta(prepared)``) holds ``capture``, ``converted``, ``input_names``, ``config``, ``qat``
+        and ``input_specs``.
 
     Raises:
         TypeError: ``model`` is not an nn.Module, ``config`` not a QuantizerConfig, or ``example_inputs`` not a
@@ -131,8 +130,6 @@ def prepare(
         fq.enable_observer(qat)
         fq.enable_fake_quant(True)
     gm.train(qat)
-    gm.meta[META_KEY].update(
-        config=config.to_dict(), converted=False, qat=qat,
-        input_specs=_input_specs(model, example_inputs, kwargs),
-    )
+    set_graph_meta(gm, replace(get_graph_meta(gm), config=config.to_dict(), converted=False, qat=qat,
+                               input_specs=_input_specs(model, example_inputs, kwargs)))
     return gm

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from coreai_opt.api._state import graph_meta
+from coreai_opt.passes.graph_meta import require_graph_meta
 from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.quantization.spec import FakeQuantize, StatefulQParamsCalculatorBase
 
@@ -98,7 +98,7 @@ def summary(model: fx.GraphModule) -> QuantizationSummary:
     Raises:
         TypeError: ``model`` was not produced by ``prepare`` / ``convert``.
     """
-    meta = graph_meta(model, "summary")
+    meta = require_graph_meta(model, "summary")
     by_module: dict[str, list[fx.Node]] = {}
     for node in model.graph.nodes:
         info = get_meta(node).quantizer
@@ -117,4 +117,4 @@ def summary(model: fx.GraphModule) -> QuantizationSummary:
                         for u in node.users)
         if m.float_reason and not quantized:
             floats.append(FloatOpRow(node.name, m.module_name or "", m.kind.value if m.kind else "?", m.float_reason))
-    return QuantizationSummary(meta.get("capture", "?"), bool(meta.get("converted")), tuple(rows), tuple(floats))
+    return QuantizationSummary(meta.capture, meta.converted, tuple(rows), tuple(floats))
