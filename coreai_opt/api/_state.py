@@ -7,8 +7,9 @@ import weakref
 import torch
 from torch import fx, nn
 
+from coreai_opt.passes.graph_attrs import attr_value
 from coreai_opt.passes.node_meta import Role, get_meta
-from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, StatefulQParamsCalculatorBase
+from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 
 __all__ = ["fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
 
@@ -32,8 +33,7 @@ def weight_quantizer_inputs(gm: fx.GraphModule) -> list[tuple[FakeQuantize, torc
             continue
         source = node.args[0]
         if isinstance(source, fx.Node) and source.op == "get_attr":
-            owner, _, attr = str(source.target).rpartition(".")
-            pairs.append((gm.get_submodule(str(node.target)), getattr(gm.get_submodule(owner), attr)))
+            pairs.append((gm.get_submodule(str(node.target)), attr_value(gm, source.target)))
     return pairs
 
 
@@ -52,7 +52,7 @@ def _unchanged_since_commit(fq: FakeQuantize, weight: torch.Tensor) -> bool:
     """
     record = _COMMITTED_FROM.get(fq)
     return (record is not None and record[0]() is weight and record[1] == weight._version
-            and fq.calculator.has_qparams)
+            and fq.has_qparams)
 
 
 def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
@@ -71,13 +71,12 @@ def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
     count = 0
     with torch.no_grad():
         for fq, weight in weight_quantizer_inputs(gm):
-            calculator = fq.calculator
-            if not isinstance(calculator, StatefulQParamsCalculatorBase) or fq.export_mode:
+            if not fq.stateful or fq.export_mode:
                 continue
             if not force and _unchanged_since_commit(fq, weight):
                 continue
-            calculator.reset_statistics()
-            calculator.observe(weight.detach())
+            fq.reset_statistics()
+            fq.observe(weight.detach())
             fq.commit()
             _COMMITTED_FROM[fq] = (weakref.ref(weight), weight._version)
             count += 1

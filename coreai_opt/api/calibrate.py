@@ -118,7 +118,7 @@ def calibrate(
     was_training = prepared.training
     for fq in quantizers:
         if id(fq) not in weight_ids:  # weight statistics stay those of the weight they were committed from
-            fq.calculator.reset_statistics()
+            fq.reset_statistics()
         fq.enable_observer(id(fq) not in weight_ids)
         fq.enable_fake_quant(False)
     for bq in biases:  # the input scale is a placeholder / stale until commit: keep the float bias meanwhile

@@ -16,7 +16,6 @@ from torch import fx
 from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
 from coreai_opt.passes.graph_meta import require_graph_meta, set_graph_meta
-from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
 
 __all__ = ["convert"]
 
@@ -41,15 +40,15 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     gm = copy.deepcopy(prepared)
     commit_weight_qparams(gm)
     quantizers = fake_quantizers(gm)
-    stateful = [fq for _, fq in quantizers if isinstance(fq.calculator, StatefulQParamsCalculatorBase)]
-    dynamic = [fq.name for _, fq in quantizers if fq not in stateful and not getattr(fq, "exports_dynamic", False)]
+    stateful = [fq for _, fq in quantizers if fq.stateful]
+    dynamic = [fq.name for _, fq in quantizers if not fq.stateful and not fq.exports_dynamic]
     if dynamic:
         raise ValueError(
             f"quantizers {dynamic} use a dynamic (stateless) qparams calculator whose qparams cannot be frozen "
             "for export; use qparams_calculator='static', 'global_minmax' or 'moving_average' for them, or "
             "fake_quantize='dynamic' (ONNX DynamicQuantizeLinear) for linear-layer inputs"
         )
-    missing = [fq.name for fq in stateful if not fq.calculator.has_qparams and not fq.calculator.has_statistics]
+    missing = [fq.name for fq in stateful if not fq.has_qparams and not fq.has_statistics]
     if missing:
         raise ValueError(
             f"{len(missing)} activation quantizer(s) were never calibrated: {', '.join(missing)}; run "
