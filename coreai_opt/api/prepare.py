@@ -4,7 +4,6 @@ The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
     capture → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale → annotate →
     insert_quantizers
-            [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
 off and fake quantization on (``calibrate`` turns observers on for its duration); a QAT model
@@ -28,7 +27,6 @@ from coreai_opt.config import QuantizerConfig
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
-from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
@@ -115,8 +113,6 @@ def prepare(
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
-    if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
-        gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
     unused = config.unused_module_name_patterns(name for name, _ in model.named_modules())
     if unused:
         warnings.warn(
