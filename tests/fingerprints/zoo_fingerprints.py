@@ -4,8 +4,9 @@ A fingerprint is the list of ``(quantizer module name, spec dict)`` of the prepa
 quantizers listed with the spec ``"derived"``) and the sha256 of the exported ``model.graph.SerializeToString()``
 (plus, for diagnosis, the prepared graph's code and the sha256 of the converted model's eager output).
 ``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with the code before the per-edge
-quantizer ownership (commit b977fa6); ``test_zoo_fingerprints.py`` (slow) checks the current code still builds
-exactly the same quantizers and writes exactly the same ONNX graphs.
+quantizer ownership (commit b977fa6; spec dicts stored once under ``"specs"`` and named by :func:`spec_key`);
+``test_zoo_fingerprints.py`` (slow) checks the current code still builds exactly the same quantizers and writes
+exactly the same ONNX graphs.
 
 Run ``python -m tests.fingerprints.zoo_fingerprints OUT.json`` to record the current code's fingerprints.
 """
@@ -31,7 +32,7 @@ from coreai_opt.onnx import export_onnx
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 from tests.zoo import PRESETS, ZOO, build, preset_config
 
-__all__ = ["CASES", "fingerprint", "record"]
+__all__ = ["CASES", "fingerprint", "record", "spec_key"]
 
 JSON_PATH = Path(__file__).with_name("zoo_fingerprints.json")
 TRANSFORMERS = tuple(name for name, entry in ZOO.items() if not entry.is_cnn)
@@ -44,6 +45,11 @@ CASES: tuple[tuple[str, str, str], ...] = (
     + tuple((name, preset, smooth) for name in TRANSFORMERS for preset in ("w8a8_dynamic", "w8a8")
             for smooth in ("fold", "insert_mul"))
 )
+
+
+def spec_key(spec: dict[str, Any] | str) -> str:
+    """A spec dict's short sha256 (of its sorted JSON); ``"derived"`` (int32 bias) stays as it is."""
+    return spec if isinstance(spec, str) else hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _config(preset: str, model: nn.Module) -> QuantizerConfig:
