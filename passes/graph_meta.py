@@ -26,6 +26,10 @@ class InputSpec:
     dtype: str
     shape: tuple[int, ...]
 
+    def __getitem__(self, key: str) -> Any:
+        """Dict-style read access (``spec["shape"]``), as with the dict this class replaced."""
+        return _field(self, key)
+
 
 @dataclass(frozen=True)
 class GraphMeta:
@@ -49,9 +53,14 @@ class GraphMeta:
 
     def __getitem__(self, key: str) -> Any:
         """Dict-style read access (``meta["config"]``), as with the dict this class replaced."""
-        if key not in {f.name for f in fields(self)}:
-            raise KeyError(key)
-        return getattr(self, key)
+        return _field(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Dict-style ``meta.get("capture")``: the field's value, ``default`` for a name that is no field."""
+        try:
+            return _field(self, key)
+        except KeyError:
+            return default
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GraphMeta:
@@ -60,6 +69,12 @@ class GraphMeta:
         return cls(capture=str(data.get("capture", "?")), input_names=tuple(data.get("input_names", ())),
                    converted=bool(data.get("converted", False)), qat=bool(data.get("qat", False)),
                    input_specs=specs, config=data.get("config"))
+
+
+def _field(record: object, key: str) -> Any:
+    if key not in {f.name for f in fields(record)}:
+        raise KeyError(key)
+    return getattr(record, key)
 
 
 def get_graph_meta(model: object) -> GraphMeta | None:

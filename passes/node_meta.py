@@ -41,6 +41,7 @@ __all__ = [
     "NodeMeta",
     "get_meta",
     "set_meta",
+    "stored_meta",
     "tensor_info",
     "copy_provenance",
     "node_label",
@@ -164,6 +165,11 @@ def get_meta(node: Node) -> NodeMeta:
     """Return the node's :class:`NodeMeta` (an empty one when the node has none)."""
     value = node.meta.get(META_KEY)
     return value if isinstance(value, NodeMeta) else NodeMeta()
+
+
+def stored_meta(node: Node) -> Any:
+    """Whatever the node's coreai_opt slot holds (None when empty), for code that copies it verbatim (pickling)."""
+    return node.meta.get(META_KEY)
 
 
 def set_meta(node: Node, value: NodeMeta) -> None:

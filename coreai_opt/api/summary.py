@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.graph_meta import require_graph_meta
 from coreai_opt.passes.node_meta import Role, get_meta, node_label
 from coreai_opt.quantization.spec import FakeQuantize
@@ -52,6 +53,7 @@ class QuantizationSummary:
     quantizers: tuple[QuantizerRow, ...]
     float_ops: tuple[FloatOpRow, ...]
 
+    @public_api
     def counts(self, role: str | None = None) -> dict[str, int]:
         """Number of quantizers per op kind (optionally only ``"weight"``, ``"activation"`` or ``"bias"``)."""
         return dict(Counter(r.op_kind for r in self.quantizers if role is None or r.role == role))
@@ -100,6 +102,7 @@ def _qparams_text(module: object) -> str:
     return f"{s.numel()} scales in [{float(s.min()):.3g}, {float(s.max()):.3g}]"
 
 
+@public_api
 def summary(model: fx.GraphModule) -> QuantizationSummary:
     """Describe the quantizers and float ops of a prepared or converted model.
 

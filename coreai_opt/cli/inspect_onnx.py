@@ -19,6 +19,12 @@ if TYPE_CHECKING:
     import onnx
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# Storage dtypes of quantized tensors. An initializer of one of them is a quantized weight or table unless it is
+# only a zero point; embedding tables are one (their rows are gathered, then dequantized by Cast and Mul).
+QUANTIZED_TYPES = frozenset({
+    "int2", "uint2", "int4", "uint4", "int8", "uint8", "int16", "uint16",
+    "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz",
+})
 FLOAT_TYPES = ("float", "float16", "bfloat16", "double")
 _BITS = {
     **dict.fromkeys(("int2", "uint2"), 2),
@@ -36,7 +42,10 @@ class QdqSummary:
 
     Attributes:
         qdq: ``(op_type, zero-point dtype) -> number of nodes`` for QuantizeLinear / DequantizeLinear.
-        quantized_initializers: ``dtype -> (count, elements)`` of initializers that feed a DequantizeLinear.
+        quantized_initializers: ``dtype -> (count, elements)`` of quantized initializers: every initializer of an
+            integer / float8 storage dtype that is not only a zero point (weights and embedding tables, whose
+            gathered rows are dequantized by Cast and Mul), and every one feeding a DequantizeLinear's data input
+            (int32 biases).
         float_initializers: ``(count, elements)`` of float initializers (weights left in float, biases...).
         ops: ``op_type -> count`` over the whole top-level graph.
         opset: The default-domain opset the model imports.
@@ -126,7 +135,11 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
     initializers = {t.name: t for t in graph.initializer}
     summary = QdqSummary(opset=next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None))
     dq_inputs: set[str] = set()
+    other_reads: set[str] = set()  # tensors read anywhere except as a Q/DQ zero point
     for node in graph.node:
+        for index, name in enumerate(node.input):
+            if not (node.op_type in QDQ_OPS and index == 2):
+                other_reads.add(name)
         summary.ops[node.op_type] += 1
         if node.op_type not in QDQ_OPS:
             continue
@@ -143,7 +156,7 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
     float_count = float_elements = 0
     for name, tensor in initializers.items():
         dtype, elements = types[name], _numel(tensor)
-        if name in dq_inputs:
+        if name in dq_inputs or (dtype in QUANTIZED_TYPES and name in other_reads):
             entry = quantized.setdefault(dtype, [0, 0])
             entry[0] += 1
             entry[1] += elements
@@ -164,15 +177,19 @@ def format_summary(summary: QdqSummary) -> str:
     lines = [f"opset {summary.opset}", "", "Q/DQ nodes by zero-point dtype"]
     dtypes = sorted({dtype for _, dtype in summary.qdq})
     rows = [(d, str(summary.qdq[("QuantizeLinear", d)]), str(summary.qdq[("DequantizeLinear", d)])) for d in dtypes]
-    lines += _table(("dtype", "QuantizeLinear", "DequantizeLinear"), rows or [("-", "0", "0")])
-    lines += ["", "initializers feeding DequantizeLinear (quantized weights, biases)"]
-    rows = [
-        (dtype, str(count), str(elements), _human_bytes(elements * _bits(dtype) // 8))
-        for dtype, (count, elements) in summary.quantized_initializers.items()
-    ]
     count, elements = summary.float_initializers
-    rows.append(("float (other)", str(count), str(elements), _human_bytes(elements * 4)))
-    lines += _table(("dtype", "count", "elements", "size"), rows)
+    float_row = ("float (other)", str(count), str(elements), _human_bytes(elements * 4))
+    if summary.qdq:
+        lines += _table(("dtype", "QuantizeLinear", "DequantizeLinear"), rows)
+        lines += ["", "quantized initializers (weights, embedding tables, int32 biases; zero points not counted)"]
+        rows = [
+            (dtype, str(count), str(elements), _human_bytes(elements * _bits(dtype) // 8))
+            for dtype, (count, elements) in summary.quantized_initializers.items()
+        ]
+        lines += _table(("dtype", "count", "elements", "size"), [*rows, float_row])
+    else:
+        lines += ["  none: this is a float model (no QuantizeLinear / DequantizeLinear nodes)", "", "initializers"]
+        lines += _table(("dtype", "count", "elements", "size"), [("float", *float_row[1:])])
     lines += ["", "ops"]
     lines += _table(("op", "count"), [(op, str(n)) for op, n in sorted(summary.ops.items(), key=lambda kv: -kv[1])])
     return "\n".join(lines)

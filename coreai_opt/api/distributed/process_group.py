@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from coreai_opt.errors import CoreaiOptRuntimeError
 from coreai_opt.quantization.spec.collectives import (
     as_timedelta,
     get_rank,
@@ -35,7 +36,7 @@ __all__ = [
 Timeout = float | timedelta | None
 
 
-class DistributedSyncError(RuntimeError):
+class DistributedSyncError(CoreaiOptRuntimeError):
     """Raised on every rank when a sync point fails: a rank reported an error, timed out, or disagreed."""
 
 

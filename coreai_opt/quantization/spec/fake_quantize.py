@@ -16,6 +16,11 @@ off / off                  identity
 export mode                fake-quantize with the frozen buffers; flags and statistics untouched
 =========================  ==================================================================
 
+Weight rounding (``spec.weight_rounding``): the quantizer owns the algorithm in ``self.rounding``. ``observe``
+remembers the weight (a reference), ``commit`` rounds it (:meth:`WeightRoundingBase.commit`) and copies the
+algorithm's scale / zero point into the calculator's buffers; every fake-quantized output is then computed from
+the algorithm's exact result ``(q − z)·s`` (its integers may differ from ``round(w / s) + z``: GPTQ, HQQ).
+
 fp16/bf16 inputs: qparams stay float32; the op computes in float32 and the result is cast back to the
 input dtype (in ONNX this appears as Cast nodes around the Q/DQ pair).
 """
@@ -35,6 +40,7 @@ from coreai_opt.quantization.spec.qparams_calculator import (
 from coreai_opt.quantization.spec.qparams_math import QParams
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize
 from coreai_opt.quantization.spec.registry import Registry, RegistryFamily
+from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING, WeightRoundingBase
 
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
@@ -92,6 +98,9 @@ class FakeQuantize(RegistryFamily, nn.Module):
     #: (:class:`~coreai_opt.quantization.spec.dynamic_fake_quantize.DynamicFakeQuantize`, ONNX
     #: ``DynamicQuantizeLinear``): it quantizes the input of one consumer, never a tensor's stored value.
     exports_dynamic: ClassVar[bool] = False
+    #: Submodule path, relative to the quantizer, of the ``InputStatistics`` a data-aware weight rounding observes
+    #: (``insert_weight_statistics`` calls it on the layer input; see :attr:`rounds_with_data`).
+    INPUT_STATISTICS: ClassVar[str] = "rounding.statistics"
 
     def __init__(self, spec: QuantizationSpec) -> None:
         super().__init__()
@@ -99,9 +108,13 @@ class FakeQuantize(RegistryFamily, nn.Module):
         self.calculator: QParamsCalculatorBase = QPARAMS_CALCULATORS.resolve(spec.qparams_calculator).from_spec(spec)
         self.register_buffer("observer_enabled", torch.tensor(True))
         self.register_buffer("fake_quant_enabled", torch.tensor(True))
+        self.rounding: WeightRoundingBase | None = (
+            WEIGHT_ROUNDING.resolve(spec.weight_rounding).from_spec(spec) if spec.weight_rounding else None
+        )
         self.export_mode = False
         self.name = type(self).__name__
         self._pending = False  # statistics observed but not committed yet
+        self._observed_weight: Tensor | None = None  # the tensor weight rounding will round at commit
 
     @classmethod
     def from_spec(cls, spec: QuantizationSpec) -> FakeQuantize:
@@ -127,9 +140,10 @@ class FakeQuantize(RegistryFamily, nn.Module):
     def get_qparams(self) -> QParams:
         """The cached ``(scale, zero_point, minval)`` buffers of a stateful quantizer.
 
-        The tensors are the live buffers: a later commit (calibration, every QAT step) updates them in place,
-        so a reader that keeps them, like the derived int32 bias ``s_b = s_in · s_w``, follows the scales.
-        Before the first commit they are placeholders (``has_qparams`` is False).
+        The tensors are the current buffers; a later commit (calibration, every QAT step, weight rounding) may
+        update or replace them, so a reader that must follow the scales, like the derived int32 bias
+        ``s_b = s_in · s_w``, calls this at every use. Before the first commit they are placeholders
+        (``has_qparams`` is False).
 
         Raises:
             RuntimeError: the quantizer is stateless (its qparams exist only for the tensor being quantized).
@@ -142,16 +156,24 @@ class FakeQuantize(RegistryFamily, nn.Module):
         return QParams(self.calculator.scale, self.calculator.zero_point, self.calculator.minval)
 
     def observe(self, x: Tensor) -> None:
-        """Accumulate statistics of ``x`` without changing the qparams (:meth:`commit` turns them into qparams)."""
-        if self.stateful:
-            self.calculator.observe(x)
-            self._pending = True
+        """Accumulate statistics of ``x`` without changing the qparams (:meth:`commit` turns them into qparams).
+
+        With weight rounding, ``x`` (the weight) is also remembered for :meth:`commit` to round.
+        """
+        if not self.stateful:
+            return
+        self.calculator.observe(x)
+        if self.rounding is not None:
+            self._observed_weight = x.detach()
+        self._pending = True
 
     # --- configuration ---
     def set_name(self, name: str) -> None:
         """Name this quantizer and its calculators after the tensor it serves."""
         self.name = name
         self.calculator.set_name(name)
+        if self.rounding is not None:
+            self.rounding.set_name(name)
 
     def enable_observer(self, enabled: bool = True) -> None:
         """Switch statistics collection on or off."""
@@ -167,10 +189,40 @@ class FakeQuantize(RegistryFamily, nn.Module):
             self.calculator.initialize(tensor_shape)
 
     def commit(self) -> None:
-        """Turn pending statistics into qparams (``calibrate`` calls this at the end)."""
+        """Turn pending statistics into qparams (``calibrate`` calls this at the end).
+
+        With weight rounding, the observed weight is rounded and the algorithm's qparams replace the calculator's.
+        """
         if isinstance(self.calculator, StatefulQParamsCalculatorBase) and self.calculator.has_statistics:
             self.calculator.commit()
+        if self.rounding is not None and self._observed_weight is not None:
+            self.rounding.commit(self._observed_weight)
+            self._observed_weight = None
+        if self.rounding is not None and self.rounding.has_result:
+            self._adopt_rounding_qparams()
         self._pending = False
+
+    def _adopt_rounding_qparams(self) -> None:
+        calculator = self.calculator
+        rounding = self.rounding
+        if not isinstance(calculator, StatefulQParamsCalculatorBase) or rounding is None:
+            return
+        with torch.no_grad():
+            calculator.scale = rounding.scale.clone()
+            calculator.zero_point = rounding.zero_point.clone()
+            calculator.minval = (float(self.spec.quant_min) - rounding.zero_point.float()) * rounding.scale
+            calculator.committed.fill_(True)
+
+    @property
+    def rounds_with_data(self) -> bool:
+        """True when the weight rounding needs statistics of the layer input (GPTQ, weighted MSE)."""
+        return self.rounding is not None and self.rounding.statistics is not None
+
+    @property
+    def has_input_statistics(self) -> bool:
+        """True when weight rounding holds calibration statistics not yet used by :meth:`commit`."""
+        stats = self.rounding.statistics if self.rounding is not None else None
+        return stats is not None and stats.has_statistics
 
     def reset_statistics(self) -> None:
         """Forget observed statistics and any pending commit (``calibrate`` calls this on entry)."""
@@ -205,6 +257,8 @@ class FakeQuantize(RegistryFamily, nn.Module):
             ValueError: the saved spec differs from this quantizer's spec (names both).
         """
         current = self.spec.to_dict()
+        if isinstance(state, dict) and "weight_rounding" not in state:  # saved before the field existed
+            state = {**state, "weight_rounding": None}
         if state != current:
             raise ValueError(
                 f"{self.name}: state was saved with {spec_summary(state, current)} but this quantizer is "
@@ -214,6 +268,10 @@ class FakeQuantize(RegistryFamily, nn.Module):
 
     # --- forward ---
     def _fake_quant(self, x: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
+        if self.rounding is not None and self.rounding.has_result:
+            rounded = self.rounding.weight_for(x, self.export_mode).to(x.dtype)
+            # eager: straight-through (the op re-rounds x + (rounded - x) to exactly `rounded`)
+            x = rounded if self.export_mode else x + (rounded - x).detach()
         if zero_point is None:  # float8: the op takes a zero tensor it ignores (typed zero point in ONNX)
             zero_point = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
         x32 = x if x.dtype == torch.float32 else x.float()
@@ -255,10 +313,9 @@ class FakeQuantize(RegistryFamily, nn.Module):
             self.observe(x)
             return x
         if observe:
-            self.calculator.observe(x)
-            scale, zero_point, _ = self.calculator.commit()
-            self._pending = False
-            return self._fake_quant(x, scale, zero_point)
+            self.observe(x)
+            self.commit()
+            return self._fake_quant(x, self.calculator.scale, self.calculator.zero_point)
         if fake_quant:
             scale, zero_point = self._cached_qparams()
             return self._fake_quant(x, scale, zero_point)
