@@ -39,15 +39,19 @@ def test_graph_meta_survives_deepcopy_and_convert() -> None:
     assert not get_graph_meta(prepared).converted
 
 
-def test_graph_meta_pickles() -> None:
-    """``torch.save`` / pickle of the metadata itself (torch's own GraphModule pickling rebuilds ``meta`` empty)."""
-    prepared, _ = _prepared()
+def test_graph_meta_pickles_alone_and_with_the_prepared_model() -> None:
+    """pickle / ``torch.save`` of the metadata itself, and of the whole prepared model (a ``SavableGraphModule``)."""
+    prepared, x = _prepared()
     meta = get_graph_meta(prepared)
     buffer = io.BytesIO()
     torch.save({"meta": meta}, buffer)
     buffer.seek(0)
     assert pickle.loads(pickle.dumps(meta)) == meta
     assert torch.load(buffer, weights_only=False)["meta"] == meta
+    loaded = pickle.loads(pickle.dumps(prepared))
+    assert isinstance(loaded.meta["coreai_opt"], GraphMeta) and get_graph_meta(loaded) == meta
+    with torch.no_grad():
+        assert torch.equal(loaded(x), prepared(x))
 
 
 def test_graph_meta_is_frozen_and_reads_like_the_old_dict() -> None:
