@@ -53,3 +53,34 @@ def test_no_private_name_is_imported_from_another_module() -> None:
                 offenders += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
                               if a.name.startswith("_") and not a.name.startswith("__")]
     assert offenders == []
+
+
+SPEC_LAYER = ROOT / "coreai_opt" / "quantization" / "spec"
+#: FakeQuantize internals that callers reach only through its public API (get_qparams, observe, commit,
+#: reset_statistics, stateful / has_qparams / has_statistics, exports_dynamic, rounds_with_data).
+_INTERNALS = {"calculator"}
+
+
+def _internal_reach_ins(tree: ast.AST) -> list[int]:
+    """Lines reading ``<x>.calculator`` or probing ``getattr(<x>, "calculator" | "exports_dynamic" | "rounding")``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _INTERNALS:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in {"calculator", "exports_dynamic", "rounding"}:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_outside_the_spec_layer_reaches_into_fake_quantize_internals() -> None:
+    outside = [*LIBRARY, *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in outside if SPEC_LAYER not in path.parents
+                 for line in _internal_reach_ins(ast.parse(path.read_text()))]
+    assert offenders == []
+
+
+def test_the_check_finds_a_reach_in() -> None:
+    code = 'a = fq.calculator.scale\nb = getattr(fq, "exports_dynamic", False)\nc = fq.get_qparams().scale\n'
+    assert sorted(_internal_reach_ins(ast.parse(code))) == [1, 2]
