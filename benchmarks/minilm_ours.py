@@ -9,13 +9,14 @@ from pathlib import Path
 from torch import Tensor, fx, nn
 
 import coreai_opt as co
+from coreai_opt.quantization.spec import FakeQuantize
 
 __all__ = ["export", "has_dynamic", "prepare_calibrate"]
 
 
 def has_dynamic(model: nn.Module) -> bool:
     """True when ``model`` holds a dynamic (exports-without-calibration) quantizer."""
-    return any(getattr(m, "exports_dynamic", False) for m in model.modules())
+    return any(isinstance(m, FakeQuantize) and m.exports_dynamic for m in model.modules())
 
 
 def prepare_calibrate(model: nn.Module, config: object, example: tuple[Tensor, ...],

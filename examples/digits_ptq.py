@@ -51,7 +51,7 @@ def activation_scales(converted) -> dict[str, float]:
     """Scale of every activation quantizer, keyed by the tensor it quantizes (from ``co.summary``)."""
     rows = co.summary(converted).quantizers
     return {
-        row.serves: float(converted.get_submodule(row.module).calculator.scale)
+        row.serves: float(converted.get_submodule(row.module).get_qparams().scale)
         for row in rows
         if row.role == "activation"
     }

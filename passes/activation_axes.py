@@ -17,7 +17,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from coreai_opt.passes.node_meta import Role, get_meta, tensor_info
-from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, PerTensor, StatefulQParamsCalculatorBase
+from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, PerTensor
 
 __all__ = ["check_activation_axes"]
 
@@ -31,7 +31,7 @@ def _candidates(gm: GraphModule) -> list[tuple[Node, FakeQuantize, int]]:
             continue
         fq = gm.get_submodule(str(node.target))
         if (not isinstance(fq, FakeQuantize) or isinstance(fq.spec.granularity, PerTensor)
-                or not isinstance(fq.calculator, StatefulQParamsCalculatorBase)):
+                or not fq.stateful):
             continue
         found.append((node, fq, fq.spec.granularity.axis))
     return found

@@ -20,6 +20,13 @@ move (reshape, view, permute, getitem ...), output shares the input's quantizer 
 dropout / identity, max_pool
 ==========================================  ===============================================================
 
+A dynamic activation spec (its fake-quantize class ``exports_dynamic``, e.g. ``DynamicFakeQuantize``) is
+requested only on the input edges of linear layers, ``edge_only``: nothing else reads it. A linear reached
+through value-moving ops only (attention's ``transpose → reshape → out_proj``) gets it on its own input
+edge, which is exact because per-tensor dynamic quantization commutes with moving values (same values, same
+min/max, same qparams); the exported ``DequantizeLinear`` then feeds the ``MatMul`` directly, the pattern
+:func:`coreai_opt.onnx.dynamic_matmul.fuse_dynamic_matmuls` rewrites. Other ops keep float activations.
+
 Weight granularity axes in a config are written for the canonical ``[out, in, *kernel]`` layout
 (per-channel axis 0 = output channels, per-block axis 1 = input channels). This pass maps them to the op's
 real layout: ``conv_transpose`` weights are ``[in, out/groups, *k]`` (axes 0 and 1 swap) and a ``[K, N]``
@@ -40,6 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.graph_attrs import get_attr_value, node_shape
 from coreai_opt.passes.node_meta import (
     Annotation,
     DerivedSpec,
@@ -54,10 +62,10 @@ from coreai_opt.passes.node_meta import (
 from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
 from coreai_opt.passes.shape_queries import value_users
-from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
+from coreai_opt.quantization.spec import FAKE_QUANTIZE, PerBlock, PerChannel, QuantizationSpec
 from coreai_opt.quantization.spec.qparams_math import compute_qparams
 
-__all__ = ["annotate", "Resolver"]
+__all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate", "Resolver"]
 
 
 class _Resolved(NamedTuple):
@@ -84,6 +92,11 @@ class _Pattern:
     share_inputs: bool = False
     power_of_two_step: bool = False  # shrink the fixed range so an integer step is 2^-k (see _fixed)
 
+    @property
+    def reads_config(self) -> bool:
+        """False for value-moving ops, which share their input's quantizer whatever the config says."""
+        return not (self.output == "share" and not self.share_inputs)
+
 
 _ID = {0: 0, 1: 1}
 PATTERNS: dict[OpKind, _Pattern] = {
@@ -101,6 +114,10 @@ PATTERNS: dict[OpKind, _Pattern] = {
     OpKind.CAT: _Pattern(share_inputs=True, output="share"),
     **{k: _Pattern(inputs=False, output="share") for k in MOVER_KINDS},
 }
+#: Op kinds whose pattern applies the config's specs, in :class:`OpKind` order: the config's ``op_kind`` keys.
+CONFIGURABLE_KINDS: tuple[OpKind, ...] = tuple(k for k in OpKind if k in PATTERNS and PATTERNS[k].reads_config)
+#: Op kinds that only move values and share their input's quantizer (a config cannot target them).
+SHARING_KINDS: tuple[OpKind, ...] = tuple(k for k in OpKind if k in PATTERNS and not PATTERNS[k].reads_config)
 #: Operand index of a matmul -> canonical-to-real axis map of a constant operand ([M, K] @ [K, N]).
 _MATMUL_AXES = {0: {0: -2, 1: -1}, 1: {0: -1, 1: -2}}
 
@@ -114,19 +131,10 @@ def _is_float_tensor(node: object, gm: GraphModule) -> bool:
     if not isinstance(node, Node):
         return False
     if node.op == "get_attr":
-        owner, _, name = str(node.target).rpartition(".")
-        value = getattr(gm.get_submodule(owner), name, None)
+        value = get_attr_value(node, gm)
         return isinstance(value, torch.Tensor) and value.is_floating_point()
     info = tensor_info(node)
     return info is not None and info[1].is_floating_point
-
-
-def _shape(node: Node, gm: GraphModule) -> tuple[int, ...] | None:
-    if node.op == "get_attr":
-        owner, _, name = str(node.target).rpartition(".")
-        return tuple(getattr(gm.get_submodule(owner), name).shape)
-    info = tensor_info(node)
-    return info[0] if info else None
 
 
 def _data_args(node: Node, layout: ArgLayout) -> list[Node]:
@@ -213,7 +221,7 @@ class _Matcher:
         return _Resolved(r.weight, r.activation, r.source)
 
     def weight_spec(self, op: Node, weight: Node, spec: QuantizationSpec, axes: dict[int, int]) -> QuantSpec | None:
-        shape = _shape(weight, self.gm)
+        shape = node_shape(weight, self.gm)
         mapped = _map_weight_spec(spec, axes, shape)
         try:
             mapped.granularity.qparam_shape(shape)
@@ -249,7 +257,14 @@ class _Matcher:
         resolved = self.specs(node)
         act, inputs = resolved.activation, []
         label = _label(node)
-        reason = None if act is not None else f"{label} output left float: no activation spec ({resolved.source})"
+        dynamic = act is not None and FAKE_QUANTIZE.get_class(act.fake_quantize).exports_dynamic
+        if dynamic:  # only the input edges of linears read a dynamic quantizer (module docstring)
+            if meta.kind is OpKind.LINEAR:
+                inputs = [(a, QuantSpec(act, Role.ACTIVATION, edge_only=True)) for a in data]
+            act = None
+        reason = None if act is not None else f"{label} output left float: " + (
+            "dynamic activation quantization applies to linear-layer inputs only" if dynamic
+            else f"no activation spec ({resolved.source})")
         if pattern.share_inputs and act is not None and data:
             inputs = [(data[0], QuantSpec(act, Role.ACTIVATION))] + [(a, SharedSpec(data[0])) for a in data[1:]]
             return Annotation(tuple(inputs), SharedSpec(data[0])), None
@@ -269,7 +284,7 @@ class _Matcher:
             else:
                 spec = self.weight_spec(node, weight_node, resolved.weight, _weight_axes(pattern, layout))
                 inputs += [(weight_node, spec)] if spec else []
-                bias = self.bias_spec(node, layout, data, weight_node, act, spec)
+                bias = self.bias_spec(node, layout, data, weight_node, act, spec, dynamic)
                 if isinstance(bias, str):
                     bias = f"{_label(node)} {bias}"
                     reason = bias if reason is None else f"{reason}; {bias}"
@@ -280,36 +295,39 @@ class _Matcher:
             out_spec = act
             if pattern.float_range and self.fixed_range_outputs:
                 out_spec = _fixed(act, pattern.float_range, pattern.power_of_two_step)
+            refines = act if out_spec != act else None  # readers asking for ``act`` share the fixed range
             users = value_users(node)  # x.shape / x.ndim readers do not block the fusion
             if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
                     and users[0].args and users[0].args[0] is node:
-                self.fused[users[0]] = QuantSpec(out_spec, Role.ACTIVATION)
+                self.fused[users[0]] = QuantSpec(out_spec, Role.ACTIVATION, refines=refines)
                 fused = f"{get_meta(users[0]).kind.value} '{users[0].name}'"
                 reason = reason or f"{_label(node)} output quantized after the fused {fused}"
             else:
-                output = QuantSpec(out_spec, Role.ACTIVATION)
+                output = QuantSpec(out_spec, Role.ACTIVATION, refines=refines)
         if not inputs and output is None:
             return None, reason
         return Annotation(tuple(inputs), output), reason
 
     def bias_spec(
         self, node: Node, layout: ArgLayout, data: list[Node], weight: Node, act: QuantizationSpec | None,
-        weight_spec: QuantSpec | None,
+        weight_spec: QuantSpec | None, dynamic: bool = False,
     ) -> tuple[Node, DerivedSpec] | str | None:
         bias = ArgLayout.get(node, layout.bias)
         if not isinstance(bias, Node):
             return None
         if not self.int32_bias:
             return "bias left float: int32_bias is off"
+        if dynamic:
+            return "bias left float: a dynamic (stateless) quantizer has no scale buffer to derive from"
         if act is None or not data or weight_spec is None:
             return "bias left float: needs both the input and the weight quantized"
         if act.dtype_info.is_float or weight_spec.spec.dtype_info.is_float:
             return "bias left float: int32 bias needs integer input and weight dtypes"
         g = weight_spec.spec.granularity
         out_axis = (_weight_axes(PATTERNS[get_meta(node).kind], layout) or _ID)[0]
-        shape = _shape(weight, self.gm)
+        shape = node_shape(weight, self.gm)
         if isinstance(g, PerBlock) or (isinstance(g, PerChannel) and
-                                       (g.axis != out_axis or shape[out_axis] != _shape(bias, self.gm)[0])):
+                                       (g.axis != out_axis or shape[out_axis] != node_shape(bias, self.gm)[0])):
             return "bias left float: the weight scale is not per-tensor or per-output-channel"
         return bias, DerivedSpec((data[0], weight))
 

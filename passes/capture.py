@@ -33,7 +33,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from coreai_opt.passes.capture_error import CaptureError, InplaceAliasError, ShapeGuardError
 from coreai_opt.passes.functionalize_inplace import functionalize_inplace
-from coreai_opt.passes.node_meta import META_KEY, NodeMeta, set_meta
+from coreai_opt.passes.graph_meta import GraphMeta, set_graph_meta
+from coreai_opt.passes.node_meta import NodeMeta, set_meta
 from coreai_opt.passes.savable_graph_module import SavableGraphModule
 from coreai_opt.passes.shape_guards import check_shape_guards
 
@@ -309,7 +310,8 @@ def capture(
             ``{"ids": {0: Dim.AUTO, 1: Dim.AUTO}}`` makes two dimensions dynamic. FX graphs are size-generic.
 
     Returns:
-        The GraphModule, with ``gm.meta["coreai_opt"] = {"capture": "fx" | "export", "input_names": [...]}``.
+        The GraphModule, with ``GraphMeta(capture="fx" | "export", input_names=(...))`` in
+        ``gm.meta["coreai_opt"]`` (:mod:`coreai_opt.passes.graph_meta`).
 
     Raises:
         TypeError: ``example_args`` is not a tuple.
@@ -318,7 +320,8 @@ def capture(
 
     Example:
         >>> gm = capture(nn.Sequential(nn.Linear(4, 2), nn.ReLU()), (torch.randn(1, 4),))
-        >>> gm.meta["coreai_opt"]["capture"], [n.op for n in gm.graph.nodes]
+        >>> from coreai_opt.passes.graph_meta import get_graph_meta
+        >>> get_graph_meta(gm).capture, [n.op for n in gm.graph.nodes]
         ('fx', ['placeholder', 'call_module', 'call_module', 'output'])
     """
     if not isinstance(example_args, tuple):
@@ -362,5 +365,5 @@ def capture(
     logger.info("captured %s with %s", type(model).__name__, used)
     _record_scopes(gm, copied)
     names = [p for p in inspect.signature(model.forward).parameters if p not in (concrete_args or {})]
-    gm.meta[META_KEY] = {"capture": used, "converted": False, "input_names": names}
+    set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names)))
     return gm

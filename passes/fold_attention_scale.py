@@ -36,31 +36,15 @@ import math
 from itertools import chain
 
 import torch
-from torch import nn
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.graph_attrs import bind_parameter, get_attr_value
 from coreai_opt.passes.node_meta import get_meta, tensor_info
 from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
 from coreai_opt.passes.shape_queries import value_users
 
 __all__ = ["fold_attention_scale"]
-
-
-def _attr(gm: GraphModule, value: object) -> object | None:
-    """The object a ``get_attr`` node reads (None for anything else)."""
-    if isinstance(value, Node) and value.op == "get_attr":
-        owner, _, name = str(value.target).rpartition(".")
-        return getattr(gm.get_submodule(owner), name, None)
-    return None
-
-
-def _set_tensor(gm: GraphModule, target: str, value: torch.Tensor) -> None:
-    """Bind a NEW ``nn.Parameter`` holding ``value`` at ``target`` (the old object is left untouched)."""
-    owner, _, name = target.rpartition(".")
-    module = gm.get_submodule(owner)
-    old = getattr(module, name)
-    setattr(module, name, nn.Parameter(value, requires_grad=getattr(old, "requires_grad", True)))
 
 
 def _constant(gm: GraphModule, value: object) -> float | torch.Tensor | None:
@@ -70,7 +54,7 @@ def _constant(gm: GraphModule, value: object) -> float | torch.Tensor | None:
     if isinstance(value, (int, float)):
         number = float(value)
         return number if math.isfinite(number) and number != 0.0 else None
-    tensor = _attr(gm, value)
+    tensor = get_attr_value(value, gm)
     if not isinstance(tensor, torch.Tensor) or tensor.numel() != 1 or tensor.requires_grad:
         return None  # not a graph constant, not a scalar, or a trainable parameter (training must keep it)
     if tensor.is_complex() or tensor.dtype == torch.bool:
@@ -134,7 +118,7 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _exclusive_tensor(gm: GraphModule, node: object, user: Node) -> torch.Tensor | None:
     """The tensor of ``get_attr`` ``node`` when only ``user`` reads it (no other node, alias or module call)."""
-    tensor = _attr(gm, node)
+    tensor = get_attr_value(node, gm)
     if not isinstance(node, Node) or not isinstance(tensor, torch.Tensor) or list(node.users) != [user]:
         return None
     target = str(node.target)
@@ -142,7 +126,7 @@ def _exclusive_tensor(gm: GraphModule, node: object, user: Node) -> torch.Tensor
         if other is node:
             continue
         if other.op == "get_attr":
-            seen = _attr(gm, other)
+            seen = get_attr_value(other, gm)
             if str(other.target) == target or (isinstance(seen, torch.Tensor) and _same_storage(seen, tensor)):
                 return None
         elif other.op == "call_module" and target.startswith(f"{other.target}."):
@@ -171,9 +155,9 @@ def _fold_into(gm: GraphModule, linear: Node, scale: float | torch.Tensor, divid
                   for t in (weight, bias) if t is not None]
     if not all(bool(torch.isfinite(t).all()) for t in folded):
         return False
-    _set_tensor(gm, str(weight_node.target), folded[0])
+    bind_parameter(gm, str(weight_node.target), folded[0])
     if bias is not None:
-        _set_tensor(gm, str(bias_node.target), folded[1])
+        bind_parameter(gm, str(bias_node.target), folded[1])
     return True
 
 

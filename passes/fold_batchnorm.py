@@ -34,6 +34,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from coreai_opt.passes.dead_code import remove_dead_nodes
+from coreai_opt.passes.graph_attrs import bind_parameter, get_attr_value, split_target
 from coreai_opt.passes.node_meta import get_meta, set_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.passes.pass_result import PassResult
@@ -51,14 +52,6 @@ class _BNParams:
     mean: torch.Tensor
     var: torch.Tensor
     eps: float
-
-
-def _attr(gm: GraphModule, value: object) -> torch.Tensor | None:
-    """The tensor a ``get_attr`` node reads (None for anything else)."""
-    if isinstance(value, Node) and value.op == "get_attr":
-        owner, _, name = str(value.target).rpartition(".")
-        return getattr(gm.get_submodule(owner), name)
-    return None
 
 
 def _bn_params(gm: GraphModule, bn: Node) -> _BNParams | str:
@@ -84,10 +77,10 @@ def _bn_params(gm: GraphModule, bn: Node) -> _BNParams | str:
     values = {**defaults, **dict(zip(names, args, strict=False)), **bn.kwargs}
     if values.get("training"):
         return "batch norm called with training=True"
-    mean, var = _attr(gm, values.get("running_mean")), _attr(gm, values.get("running_var"))
+    mean, var = get_attr_value(values.get("running_mean"), gm), get_attr_value(values.get("running_var"), gm)
     if mean is None or var is None:
         return "running statistics are not graph attributes"
-    return _BNParams(_attr(gm, values.get("weight")), _attr(gm, values.get("bias")), mean, var,
+    return _BNParams(get_attr_value(values.get("weight"), gm), get_attr_value(values.get("bias"), gm), mean, var,
                      float(values.get("eps", 1e-5)))
 
 
@@ -100,13 +93,6 @@ def _bn_output(bn: Node) -> Node | str:
     if len(outs) != 1 or others:
         return "batch norm statistics outputs are used"
     return outs[0]
-
-
-def _set_tensor(gm: GraphModule, target: str, value: torch.Tensor) -> None:
-    owner, _, name = target.rpartition(".")
-    module = gm.get_submodule(owner)
-    old = getattr(module, name)
-    setattr(module, name, nn.Parameter(value, requires_grad=getattr(old, "requires_grad", True)))
 
 
 def _bias_arg(conv: Node) -> object:
@@ -149,7 +135,7 @@ def _fold_one(gm: GraphModule, conv: Node, bn: Node) -> str | None:
     out = _bn_output(bn)
     if isinstance(out, str):
         return out
-    weight = _attr(gm, weight_node).detach()
+    weight = get_attr_value(weight_node, gm).detach()
     with torch.no_grad():
         k = (params.gamma.detach() if params.gamma is not None else 1.0) / torch.sqrt(params.var + params.eps)
         k = k.to(weight.dtype)
@@ -161,12 +147,12 @@ def _fold_one(gm: GraphModule, conv: Node, bn: Node) -> str | None:
             in_g, out_g = weight.shape[0] // groups, weight.shape[1]
             blocks = weight.reshape(groups, in_g, out_g, *weight.shape[2:])
             folded_w = (blocks * k.reshape(groups, 1, out_g, *[1] * (weight.dim() - 2))).reshape(weight.shape)
-        bias = _attr(gm, bias_node).detach() if bias_node is not None else torch.zeros_like(k)
+        bias = get_attr_value(bias_node, gm).detach() if bias_node is not None else torch.zeros_like(k)
         beta = params.beta.detach() if params.beta is not None else torch.zeros_like(k)
         folded_b = (bias - params.mean) * k + beta
-    _set_tensor(gm, str(weight_node.target), folded_w)
+    bind_parameter(gm, str(weight_node.target), folded_w)
     if bias_node is None:
-        owner = str(weight_node.target).rpartition(".")[0]
+        owner = split_target(weight_node.target)[0]
         name = "bias" if getattr(gm.get_submodule(owner), "bias", None) is None else "folded_bias"
         target = f"{owner}.{name}" if owner else name
         gm.get_submodule(owner).register_parameter(name, nn.Parameter(folded_b))
@@ -175,7 +161,7 @@ def _fold_one(gm: GraphModule, conv: Node, bn: Node) -> str | None:
         set_meta(bias_node, replace(get_meta(weight_node)))
         _set_bias_arg(conv, bias_node)
     else:
-        _set_tensor(gm, str(bias_node.target), folded_b)
+        bind_parameter(gm, str(bias_node.target), folded_b)
     out.replace_all_uses_with(conv)
     for node in (out, bn) if out is not bn else (bn,):
         if not node.users:

@@ -19,6 +19,7 @@ from torch.fx import GraphModule, Node
 from coreai_opt.passes.node_meta import NodeMeta, Role, copy_provenance, get_meta, set_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.passes.pass_result import PassResult
+from coreai_opt.quantization.spec import FakeQuantize
 
 __all__ = ["insert_weight_statistics"]
 
@@ -28,10 +29,10 @@ def _statistics_of(gm: GraphModule, node: Node) -> str | None:
     info = get_meta(node).quantizer
     if node.op != "call_module" or info is None or info.role is not Role.WEIGHT:
         return None
-    rounding = getattr(gm.get_submodule(str(node.target)), "rounding", None)
-    if rounding is None or getattr(rounding, "statistics", None) is None:
+    fq = gm.get_submodule(str(node.target))
+    if not isinstance(fq, FakeQuantize) or not fq.rounds_with_data:
         return None
-    return f"{node.target}.rounding.statistics"
+    return f"{node.target}.{FakeQuantize.INPUT_STATISTICS}"
 
 
 def insert_weight_statistics(gm: GraphModule) -> PassResult:

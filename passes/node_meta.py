@@ -3,12 +3,15 @@
 Values are frozen so that ``Graph.node_copy``'s shallow meta copy is safe; passes *replace* a node's
 :class:`NodeMeta` (``set_meta(node, dataclasses.replace(get_meta(node), ...))``) and never mutate it.
 
-Ownership of a tensor's quantizer is one of three spec kinds, addressed by edge ``(producer, consumer)``
-or by node (the node's output tensor):
+Quantizers are owned per *point*: an edge ``(producer, consumer)`` or a node (the node's output tensor).
+A point's request is one of three spec kinds:
 
-* :class:`QuantSpec`: this tensor owns a quantizer built from a ``QuantizationSpec``;
-* :class:`SharedSpec`: this tensor uses the quantizer of another tensor (value-preserving ops, ``cat``);
+* :class:`QuantSpec`: this point asks for a quantizer built from a ``QuantizationSpec``;
+* :class:`SharedSpec`: this point uses the quantizer of another point (value-preserving ops, ``cat``);
 * :class:`DerivedSpec`: an int32 bias whose scale is derived, ``s_b = s_in · s_w``, zero point 0.
+
+Which points share one quantizer is decided by union-find over the points
+(:mod:`coreai_opt.passes.quantizer_groups`).
 
 Annotations reference live ``Node`` objects and are consumed by ``insert_quantizers``, which clears them;
 after insertion only names and :class:`QuantizerInfo` remain, so deep copies never see stale nodes.
@@ -38,8 +41,10 @@ __all__ = [
     "NodeMeta",
     "get_meta",
     "set_meta",
+    "stored_meta",
     "tensor_info",
     "copy_provenance",
+    "node_label",
 ]
 
 #: The key of every coreai_opt decision in ``node.meta`` and ``gm.meta``.
@@ -56,10 +61,24 @@ class Role(str, Enum):
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """The tensor owns a quantizer built from ``spec``; ``role`` says what it quantizes."""
+    """The point (output or edge) asks for a quantizer built from ``spec``; ``role`` says what it quantizes.
+
+    ``edge_only``: only the requesting edge reads the quantizer (a dynamic quantizer quantizes one consumer's
+    input); by default an edge request on a tensor that has no other spec becomes the tensor's quantizer, which
+    every reader without a request of its own reads too.
+
+    ``refines``: the configured spec this one specialises (softmax's output: the activation spec with its range
+    fixed to [0, 1]); a reader asking for the configured spec shares this quantizer.
+    """
 
     spec: QuantizationSpec
     role: Role
+    edge_only: bool = False
+    refines: QuantizationSpec | None = None
+
+    def satisfies(self, request: QuantSpec) -> bool:
+        """True when a quantizer built for this request also satisfies ``request`` (same or refined spec)."""
+        return request.spec == self.spec or (self.refines is not None and request.spec == self.refines)
 
     def __post_init__(self) -> None:
         if not isinstance(self.spec, QuantizationSpec):
@@ -148,9 +167,24 @@ def get_meta(node: Node) -> NodeMeta:
     return value if isinstance(value, NodeMeta) else NodeMeta()
 
 
+def stored_meta(node: Node) -> Any:
+    """Whatever the node's coreai_opt slot holds (None when empty), for code that copies it verbatim (pickling)."""
+    return node.meta.get(META_KEY)
+
+
 def set_meta(node: Node, value: NodeMeta) -> None:
     """Replace the node's :class:`NodeMeta`."""
     node.meta[META_KEY] = value
+
+
+def node_label(node: Node) -> str:
+    """A readable name of the op a node runs: ``"b"`` (a torch.nn module), ``"blocks.0.attn.matmul"``, ``"add_1"``."""
+    if node.op == "output":
+        return "output"
+    meta = get_meta(node)
+    if meta.module_name and meta.module_type is not None and meta.module_type.__module__.startswith("torch.nn"):
+        return meta.module_name
+    return f"{meta.module_name}.{node.name}" if meta.module_name else node.name
 
 
 def tensor_info(node: Node) -> tuple[tuple[int, ...], torch.dtype] | None:

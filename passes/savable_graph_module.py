@@ -31,7 +31,7 @@ from torch import fx
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from coreai_opt.passes.node_meta import META_KEY
+from coreai_opt.passes.node_meta import META_KEY, stored_meta
 
 __all__ = ["SavableGraphModule"]
 
@@ -137,7 +137,7 @@ def _shape_of(value: Any) -> Any:
 def _record(node: fx.Node) -> _NodeRecord:
     meta: dict[str, Any] = {}
     if META_KEY in node.meta:
-        meta[META_KEY] = _node_meta(node.meta[META_KEY], node)
+        meta[META_KEY] = _node_meta(stored_meta(node), node)
     for key in _KEPT_META:
         if key in node.meta and _picklable(node.meta[key]):
             meta[key] = node.meta[key]

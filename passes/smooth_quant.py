@@ -35,12 +35,13 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.graph_attrs import attr_value
+from coreai_opt.passes.linear_readers import linear_bias, linear_readers, linear_weight
 from coreai_opt.passes.pass_result import PassResult
 
-__all__ = ["SmoothingSite", "apply_smoothing", "find_sites", "linear_weight", "FOLDABLE_KINDS"]
+__all__ = ["SmoothingSite", "apply_smoothing", "find_sites", "FOLDABLE_KINDS"]
 
 aten = torch.ops.aten
-_LINEAR = {aten.linear.default}
 _LAYER_NORM = {aten.layer_norm.default}
 _MOVES = {aten.view.default, aten.reshape.default, aten.transpose.int, aten._unsafe_view.default,
           aten.contiguous.default, aten.clone.default, aten.dropout.default, aten.permute.default,
@@ -83,20 +84,12 @@ def _is(node: Node, targets: set) -> bool:
     return node.op == "call_function" and node.target in targets
 
 
-def linear_weight(node: Node) -> str | None:
-    """The ``get_attr`` target of a linear node's weight, or None (not a linear or a computed weight)."""
-    if not _is(node, _LINEAR) or len(node.args) < 2:
-        return None
-    return _attr_target(node.args[1])
+def _weight_target(node: Node, gm: GraphModule) -> str | None:
+    return _attr_target(linear_weight(node, gm))
 
 
-def _linear_bias(node: Node) -> str | None:
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return _attr_target(bias)
-
-
-def _linear_readers(x: Node) -> list[Node]:
-    return [u for u in x.users if linear_weight(u) is not None and u.args[0] is x]
+def _bias_target(node: Node, gm: GraphModule) -> str | None:
+    return _attr_target(linear_bias(node, gm))
 
 
 def _single_user_chain_back(node: Node) -> Node:
@@ -106,7 +99,7 @@ def _single_user_chain_back(node: Node) -> Node:
     return node
 
 
-def _attention_value_producer(x: Node) -> Node | None:
+def _attention_value_producer(x: Node, gm: GraphModule) -> Node | None:
     """The value-projection linear whose output reaches ``x`` only through moves and P @ V, else None."""
     node = _single_user_chain_back(x)
     if node is x and not (_is(x, _SDPA) or _is(x, _MATMUL)):
@@ -120,15 +113,13 @@ def _attention_value_producer(x: Node) -> Node | None:
     if not isinstance(value, Node) or len(node.users) != 1 or len(value.users) != 1:
         return None
     source = _single_user_chain_back(value)
-    if source is value and not _is(value, _LINEAR):
-        return None
-    if linear_weight(source) is None or len(source.users) != 1:
+    if _weight_target(source, gm) is None or len(source.users) != 1:
         return None
     return source
 
 
-def _classify(x: Node, readers: list[Node]) -> SmoothingSite:
-    consumers = tuple(linear_weight(r) for r in readers)
+def _classify(x: Node, readers: list[Node], gm: GraphModule) -> SmoothingSite:
+    consumers = tuple(_weight_target(r, gm) for r in readers)
     only_linears = len(readers) == len(x.users)
     if _is(x, _LAYER_NORM) and only_linears:
         gamma = _attr_target(x.args[2]) if len(x.args) > 2 else None
@@ -136,12 +127,13 @@ def _classify(x: Node, readers: list[Node]) -> SmoothingSite:
         if gamma is not None:
             return SmoothingSite(x.name, consumers, "layer_norm", tuple(t for t in (gamma, beta) if t))
         return SmoothingSite(x.name, consumers, "mul", reason="LayerNorm without an affine weight")
-    if linear_weight(x) is not None and only_linears:
-        return SmoothingSite(x.name, consumers, "linear", tuple(t for t in (linear_weight(x), _linear_bias(x)) if t))
+    if _weight_target(x, gm) is not None and only_linears:
+        params = tuple(t for t in (_weight_target(x, gm), _bias_target(x, gm)) if t)
+        return SmoothingSite(x.name, consumers, "linear", params)
     if only_linears:
-        value = _attention_value_producer(x)
+        value = _attention_value_producer(x, gm)
         if value is not None:
-            params = tuple(t for t in (linear_weight(value), _linear_bias(value)) if t)
+            params = tuple(t for t in (_weight_target(value, gm), _bias_target(value, gm)) if t)
             return SmoothingSite(x.name, consumers, "attention_value", params)
     others = [u.name for u in x.users if u not in readers]
     if others:
@@ -155,15 +147,10 @@ def find_sites(gm: GraphModule) -> list[SmoothingSite]:
     """Classify every tensor read by at least one linear with a ``get_attr`` weight (graph order)."""
     sites = []
     for node in gm.graph.nodes:
-        readers = _linear_readers(node)
+        readers = linear_readers(node, gm)
         if readers:
-            sites.append(_classify(node, readers))
+            sites.append(_classify(node, readers, gm))
     return sites
-
-
-def _param(gm: GraphModule, target: str) -> Tensor:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _scale_rows(t: Tensor, inv: Tensor) -> None:
@@ -191,7 +178,7 @@ def apply_smoothing(gm: GraphModule, sites: list[SmoothingSite], scales: Mapping
             s = scales.get(site.tensor)
             if s is None or (not site.foldable and not insert_mul):
                 continue
-            weights = [_param(gm, t) for t in site.consumers]
+            weights = [attr_value(gm, t) for t in site.consumers]
             if s.dim() != 1 or s.numel() != weights[0].shape[1] or not bool(torch.isfinite(s).all() & (s > 0).all()):
                 raise ValueError(
                     f"smoothing scale for '{site.tensor}' must be positive, finite and of length "
@@ -202,14 +189,14 @@ def apply_smoothing(gm: GraphModule, sites: list[SmoothingSite], scales: Mapping
             inv = 1.0 / s
             if site.foldable:
                 for target in site.producer:
-                    _scale_rows(_param(gm, target), inv)
+                    _scale_rows(attr_value(gm, target), inv)
             else:
                 x = by_name[site.tensor]
                 name = f"_smooth_inv_scale_{changes}"
                 while hasattr(gm, name):
                     name += "_"
                 gm.register_buffer(name, inv.to(torch.float32).clone())
-                readers = [u for u in list(x.users) if linear_weight(u) in site.consumers and u.args[0] is x]
+                readers = [u for u in linear_readers(x, gm) if _weight_target(u, gm) in site.consumers]
                 with gm.graph.inserting_after(x):
                     const = gm.graph.get_attr(name)
                 with gm.graph.inserting_after(const):

@@ -1,19 +1,18 @@
-"""Shared look-ups of the API modules: the coreai_opt graph metadata and the quantizer modules."""
+"""Shared look-ups of the API modules: the quantizer modules of a prepared model and the weight commits."""
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 from torch import fx, nn
 
-from coreai_opt.passes.node_meta import META_KEY, Role, get_meta
-from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, StatefulQParamsCalculatorBase
+from coreai_opt.passes.graph_attrs import attr_value
+from coreai_opt.passes.node_meta import Role, get_meta
+from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 from coreai_opt.quantization.spec.input_statistics import InputStatistics
 
 __all__ = [
-    "graph_meta",
     "fake_quantizers",
     "bias_quantizers",
     "weight_quantizer_inputs",
@@ -23,17 +22,6 @@ __all__ = [
     "commit_weight_qparams",
     "input_statistics",
 ]
-
-
-def graph_meta(model: object, caller: str) -> dict[str, Any]:
-    """Return ``model.meta["coreai_opt"]`` or raise naming the step that produces it."""
-    meta = getattr(model, "meta", None)
-    if not isinstance(model, fx.GraphModule) or not isinstance(meta, dict) or META_KEY not in meta:
-        raise TypeError(
-            f"{caller} expects a model returned by coreai_opt.prepare(...), got {type(model).__name__}; "
-            "call prepared = coreai_opt.prepare(model, config, example_inputs) first"
-        )
-    return meta[META_KEY]
 
 
 def fake_quantizers(model: nn.Module) -> list[tuple[str, FakeQuantize]]:
@@ -60,8 +48,7 @@ def weight_quantizer_inputs(gm: fx.GraphModule) -> list[tuple[FakeQuantize, torc
             continue
         source = node.args[0]
         if isinstance(source, fx.Node) and source.op == "get_attr":
-            owner, _, attr = str(source.target).rpartition(".")
-            pairs.append((gm.get_submodule(str(node.target)), getattr(gm.get_submodule(owner), attr)))
+            pairs.append((gm.get_submodule(str(node.target)), attr_value(gm, source.target)))
     return pairs
 
 
@@ -80,7 +67,7 @@ def _unchanged_since_commit(fq: FakeQuantize, weight: torch.Tensor) -> bool:
     """
     record = _COMMITTED_FROM.get(fq)
     return (record is not None and record[0]() is weight and record[1] == weight._version
-            and fq.calculator.has_qparams)
+            and fq.has_qparams)
 
 
 def stale_weight_quantizers(gm: fx.GraphModule, *, force: bool = False) -> list[tuple[FakeQuantize, torch.Tensor]]:
@@ -91,7 +78,7 @@ def stale_weight_quantizers(gm: fx.GraphModule, *, force: bool = False) -> list[
     """
     return [
         (fq, weight) for fq, weight in weight_quantizer_inputs(gm)
-        if isinstance(fq.calculator, StatefulQParamsCalculatorBase) and not fq.export_mode
+        if fq.stateful and not fq.export_mode
         and (force or not _unchanged_since_commit(fq, weight) or fq.has_input_statistics)
     ]
 
@@ -127,8 +114,7 @@ def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
     count = 0
     with torch.no_grad():
         for fq, weight in stale_weight_quantizers(gm, force=force):
-            calculator = fq.calculator
-            calculator.reset_statistics()
+            fq.reset_statistics()
             fq.observe(weight.detach())
             fq.commit()
             _COMMITTED_FROM[fq] = (weakref.ref(weight), weight._version)

@@ -1,7 +1,8 @@
 """Per-channel activation statistics of the inputs of every ``nn.Linear``: outlier analysis and SmoothQuant input.
 
 ``input_absmax(model, data)`` runs float batches through ``model`` with forward pre-hooks and keeps, for every
-linear layer, ``max|X_j|`` over all tokens for each input channel ``j`` (a ``(in_features,)`` tensor).
+linear layer, ``max|X_j|`` over all tokens for each input channel ``j`` (a ``(in_features,)`` tensor); the
+running per-channel maximum is :class:`ChannelAbsMax` (SmoothQuant measures its sites with it too).
 ``outlier_table(stats)`` summarises each layer: the largest channel maximum, the median one, their ratio
 (how much of the per-tensor int8 range one channel wastes) and the top channels.
 """
@@ -17,7 +18,26 @@ from torch import Tensor, nn
 
 from coreai_opt.api.batches import as_call
 
-__all__ = ["LayerOutliers", "input_absmax", "outlier_rows", "outlier_table"]
+__all__ = ["ChannelAbsMax", "LayerOutliers", "input_absmax", "outlier_rows", "outlier_table"]
+
+
+class ChannelAbsMax:
+    """Running ``max|X_j|`` over every token of named tensors, per channel ``j`` of the last dimension.
+
+    Attributes:
+        values: ``{name: (channels,) float32 tensor}`` of the tensors seen so far.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, Tensor] = {}
+
+    def update(self, name: str, x: Tensor) -> Tensor:
+        """Fold ``x`` into ``values[name]``; return its float32 ``(tokens, channels)`` view for further use."""
+        flat = x.detach().float().reshape(-1, x.shape[-1])
+        amax = flat.abs().amax(dim=0)
+        seen = self.values.get(name)
+        self.values[name] = amax if seen is None else torch.maximum(seen, amax)
+        return flat
 
 
 def input_absmax(model: nn.Module, data: Iterable[Any]) -> dict[str, Tensor]:
@@ -26,14 +46,12 @@ def input_absmax(model: nn.Module, data: Iterable[Any]) -> dict[str, Tensor]:
     Raises:
         ValueError: no batch, or the model has no ``nn.Linear`` that was called.
     """
-    stats: dict[str, Tensor] = {}
+    stats = ChannelAbsMax()
     hooks = []
 
     def hook(name: str):  # noqa: ANN202
         def record(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().float()
-            amax = x.reshape(-1, x.shape[-1]).abs().amax(dim=0)
-            stats[name] = amax if name not in stats else torch.maximum(stats[name], amax)
+            stats.update(name, args[0])
         return record
 
     for name, module in model.named_modules():
@@ -51,9 +69,9 @@ def input_absmax(model: nn.Module, data: Iterable[Any]) -> dict[str, Tensor]:
             h.remove()
     if count == 0:
         raise ValueError("input_absmax needs at least one batch of data")
-    if not stats:
+    if not stats.values:
         raise ValueError(f"{type(model).__name__} called no torch.nn.Linear; nothing to measure")
-    return stats
+    return stats.values
 
 
 @dataclass(frozen=True)

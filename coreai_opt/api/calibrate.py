@@ -30,7 +30,6 @@ from coreai_opt.api._state import (
     bias_quantizers,
     commit_weight_qparams,
     fake_quantizers,
-    graph_meta,
     input_statistics,
     weight_quantizer_inputs,
 )
@@ -40,15 +39,16 @@ from coreai_opt.api.input_checks import check_batch, given_inputs, token_inputs
 from coreai_opt.api.model_guard import exclusive_model
 from coreai_opt.api.quantizer_snapshot import QuantizerSnapshot
 from coreai_opt.error_boundary import error_stage, public_api
+from coreai_opt.passes.graph_meta import GraphMeta, require_graph_meta
 
 __all__ = ["calibrate"]
 
 _END = object()  # end of the calibration data
 
 
-def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    specs = meta.get("input_specs", [])
-    names = list(meta.get("input_names", []))
+def _check_inputs(meta: GraphMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    specs = meta.input_specs
+    names = list(meta.input_names)
     if names and len(args) > len(names):
         raise ValueError(
             f"calibration batch has {len(args)} positional inputs but the model takes {len(names)} "
@@ -61,31 +61,30 @@ def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str,
             f"are {', '.join(names)}; use those names as dict keys"
         )
     given = dict(zip(names, args, strict=False)) | kwargs
-    strict_shape = meta.get("capture") == "export"
+    strict_shape = meta.capture == "export"
     for spec in specs:
-        value = given.get(spec["name"])
+        value = given.get(spec.name)
         if not isinstance(value, torch.Tensor):
             continue
-        expected = f"{spec['dtype']} of shape {tuple(spec['shape'])} (batch dimension free)"
-        if str(value.dtype).removeprefix("torch.") != spec["dtype"] or value.dim() != len(spec["shape"]):
+        expected = f"{spec.dtype} of shape {spec.shape} (batch dimension free)"
+        if str(value.dtype).removeprefix("torch.") != spec.dtype or value.dim() != len(spec.shape):
             raise ValueError(
-                f"calibration input '{spec['name']}' is {str(value.dtype).removeprefix('torch.')} of shape "
+                f"calibration input '{spec.name}' is {str(value.dtype).removeprefix('torch.')} of shape "
                 f"{tuple(value.shape)} but the example input was {expected}; pass batches like the example input"
             )
-        if strict_shape and list(value.shape[1:]) != spec["shape"][1:]:
+        if strict_shape and tuple(value.shape[1:]) != spec.shape[1:]:
             raise ValueError(
-                f"calibration input '{spec['name']}' has shape {tuple(value.shape)} but the exported graph was "
+                f"calibration input '{spec.name}' has shape {tuple(value.shape)} but the exported graph was "
                 f"specialised to {expected}; only the batch dimension may change"
             )
 
 
-def _shape_hint(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    given = dict(zip(meta.get("input_names", []), args, strict=False)) | kwargs
-    for spec in meta.get("input_specs", []):
-        value = given.get(spec["name"])
-        if isinstance(value, torch.Tensor) and list(value.shape[1:]) != spec["shape"][1:]:
-            return (f"input '{spec['name']}' has shape {tuple(value.shape)}, the example input had "
-                    f"{tuple(spec['shape'])}; ")
+def _shape_hint(meta: GraphMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    given = dict(zip(meta.input_names, args, strict=False)) | kwargs
+    for spec in meta.input_specs:
+        value = given.get(spec.name)
+        if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) != spec.shape[1:]:
+            return f"input '{spec.name}' has shape {tuple(value.shape)}, the example input had {spec.shape}; "
     return ""
 
 
@@ -127,8 +126,8 @@ def calibrate(
             or a range float32 cannot hold (:class:`~coreai_opt.errors.QParamsRangeError`).
         CalibrationInProgressError: another call is changing this model's quantizers.
     """
-    meta = graph_meta(prepared, "calibrate")
-    if meta.get("converted"):
+    meta = require_graph_meta(prepared, "calibrate")
+    if meta.converted:
         raise ValueError("calibrate needs a prepared model, got a converted one; calibrate before convert")
     if sync not in SYNC_MODES:
         raise ValueError(f"sync={sync!r} is not one of {SYNC_MODES}; use sync='auto'")
@@ -145,7 +144,7 @@ def calibrate(
 
 
 def _calibrate_in_place(
-    prepared: fx.GraphModule, meta: dict[str, Any], data: Iterable[Any], max_batches: int | None, progress: bool,
+    prepared: fx.GraphModule, meta: GraphMeta, data: Iterable[Any], max_batches: int | None, progress: bool,
     sync: str,
 ) -> None:
     """The calibration itself; leaves partial state behind when it raises (``calibrate`` rolls it back)."""
@@ -160,7 +159,7 @@ def _calibrate_in_place(
     was_training = prepared.training
     for fq in quantizers:
         if id(fq) not in weight_ids:  # weight statistics stay those of the weight they were committed from
-            fq.calculator.reset_statistics()
+            fq.reset_statistics()
         fq.enable_observer(id(fq) not in weight_ids)
         fq.enable_fake_quant(False)
     for bq in biases:  # the input scale is a placeholder / stale until commit: keep the float bias meanwhile
@@ -172,7 +171,7 @@ def _calibrate_in_place(
     prepared.eval()
     count = 0
     total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
-    names = list(meta.get("input_names", []))
+    names = list(meta.input_names)
     tokens = token_inputs(prepared, names)
     try:
         # statistics are merged across torch.distributed ranks (no-op without a process group) before commit

@@ -20,13 +20,15 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from coreai_opt.api._state import fake_quantizers, graph_meta
+from coreai_opt.api._state import fake_quantizers
 from coreai_opt.api.batches import as_call
 from coreai_opt.api.model_guard import exclusive_model
 from coreai_opt.error_boundary import public_api
+from coreai_opt.passes.graph_attrs import attr_value
+from coreai_opt.passes.graph_meta import require_graph_meta
+from coreai_opt.passes.linear_readers import linear_readers, linear_weight
 from coreai_opt.passes.node_meta import Role, get_meta
-from coreai_opt.passes.op_kinds import OpKind
-from coreai_opt.quantization.spec import FAKE_QUANTIZE, FakeQuantize, StatefulQParamsCalculatorBase
+from coreai_opt.quantization.spec import FAKE_QUANTIZE, FakeQuantize
 
 __all__ = ["CANDIDATES", "CalibrationChoice", "CalibrationSearchResult", "search_calibration"]
 
@@ -78,15 +80,9 @@ def _consumer_weights(gm: fx.GraphModule) -> dict[str, list[Tensor]]:
         info = get_meta(node).quantizer
         if node.op != "call_module" or info is None or info.role is not Role.ACTIVATION:
             continue
-        for user in node.users:
-            if get_meta(user).kind is not OpKind.LINEAR or user.args[0] is not node:
-                continue
-            w = user.args[1]
-            if isinstance(w, fx.Node) and w.op == "call_module":
-                w = w.args[0]
-            if isinstance(w, fx.Node) and w.op == "get_attr":
-                owner, _, attr = str(w.target).rpartition(".")
-                out.setdefault(str(node.target), []).append(getattr(gm.get_submodule(owner), attr).detach().float())
+        for linear in linear_readers(node, gm):
+            weight = attr_value(gm, linear_weight(linear, gm).target)
+            out.setdefault(str(node.target), []).append(weight.detach().float())
     return out
 
 
@@ -133,8 +129,7 @@ def search_calibration(prepared: fx.GraphModule, data: Iterable[Any], *,
         TypeError: ``prepared`` was not produced by ``prepare``.
         ValueError: unknown candidate, no data, or a converted model.
     """
-    meta = graph_meta(prepared, "search_calibration")
-    if meta.get("converted"):
+    if require_graph_meta(prepared, "search_calibration").converted:
         raise ValueError("search_calibration needs a prepared model, got a converted one; search before convert")
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown or not candidates:
@@ -146,7 +141,7 @@ def search_calibration(prepared: fx.GraphModule, data: Iterable[Any], *,
     activation_names = {str(n.target) for n in prepared.graph.nodes
                         if get_meta(n).quantizer is not None and get_meta(n).quantizer.role is Role.ACTIVATION}
     targets = {name: fq for name, fq in fake_quantizers(prepared)
-               if name in activation_names and isinstance(fq.calculator, StatefulQParamsCalculatorBase)
+               if name in activation_names and fq.stateful
                and fq.spec.float_range is None}
     cands = {name: _candidates(fq, candidates) for name, fq in targets.items()}
     errors: dict[str, dict[str, float]] = {name: dict.fromkeys(candidates, 0.0) for name in targets}
@@ -158,7 +153,7 @@ def search_calibration(prepared: fx.GraphModule, data: Iterable[Any], *,
             x = args[0].detach()
             for cname, cand in cands[name].items():
                 if phase["observe"]:
-                    cand.calculator.observe(x)
+                    cand.observe(x)
                 else:
                     errors[name][cname] += _error(cand(x), x, weights.get(name, []))
         return run

@@ -9,16 +9,16 @@ redundant by their output quantizer are removed (exact, see
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from torch import fx
 
-from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
 from coreai_opt.api.model_guard import check_model_idle
 from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
 from coreai_opt.passes.finite_weights import check_finite_weights
-from coreai_opt.passes.node_meta import META_KEY
-from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
+from coreai_opt.passes.graph_meta import require_graph_meta, set_graph_meta
 
 __all__ = ["convert"]
 
@@ -31,7 +31,7 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         prepared: A model from ``prepare``, calibrated unless it quantizes weights only.
 
     Returns:
-        The converted GraphModule in eval mode, ``meta["coreai_opt"]["converted"] = True``.
+        The converted GraphModule in eval mode, ``GraphMeta.converted = True``.
 
     Raises:
         TypeError: ``prepared`` was not produced by ``prepare``.
@@ -40,8 +40,8 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
             quantizers that cannot export (``DynamicFakeQuantize`` can); the quantizers are named.
         CalibrationInProgressError: ``prepared`` is being calibrated (by another thread) right now.
     """
-    meta = graph_meta(prepared, "convert")
-    if meta.get("converted"):
+    meta = require_graph_meta(prepared, "convert")
+    if meta.converted:
         raise ValueError("this model is already converted; convert the prepared model instead")
     check_model_idle(prepared, "convert")
     gm = copy.deepcopy(prepared)
@@ -49,15 +49,15 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
                                         "diverged, or a lower learning rate)")
     commit_weight_qparams(gm)
     quantizers = fake_quantizers(gm)
-    stateful = [fq for _, fq in quantizers if isinstance(fq.calculator, StatefulQParamsCalculatorBase)]
-    dynamic = [fq.name for _, fq in quantizers if fq not in stateful and not getattr(fq, "exports_dynamic", False)]
+    stateful = [fq for _, fq in quantizers if fq.stateful]
+    dynamic = [fq.name for _, fq in quantizers if not fq.stateful and not fq.exports_dynamic]
     if dynamic:
         raise ValueError(
             f"quantizers {dynamic} use a dynamic (stateless) qparams calculator whose qparams cannot be frozen "
             "for export; use qparams_calculator='static', 'global_minmax' or 'moving_average' for them, or "
             "fake_quantize='dynamic' (ONNX DynamicQuantizeLinear) for linear-layer inputs"
         )
-    missing = [fq.name for fq in stateful if not fq.calculator.has_qparams and not fq.calculator.has_statistics]
+    missing = [fq.name for fq in stateful if not fq.has_qparams and not fq.has_statistics]
     if missing:
         raise ValueError(
             f"{len(missing)} activation quantizer(s) were never calibrated: {', '.join(missing)}; run "
@@ -76,5 +76,5 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         bq.enable_fake_quant(True)
     gm = drop_redundant_activations(gm).graph_module
     gm.eval()
-    gm.meta[META_KEY] = {**meta, "converted": True}
+    set_graph_meta(gm, replace(meta, converted=True))
     return gm

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from coreai_opt.api._state import graph_meta
 from coreai_opt.errors import InputValidationError
+from coreai_opt.passes.graph_attrs import attr_value
+from coreai_opt.passes.graph_meta import GraphMeta, InputSpec, get_graph_meta
 from coreai_opt.passes.node_meta import get_meta
 from coreai_opt.passes.op_kinds import ArgLayout, OpKind, lookup_op
 
@@ -49,8 +50,7 @@ def _table_rows(gm: fx.GraphModule, node: fx.Node, weight: Any) -> int | None:
     while isinstance(weight, fx.Node) and weight.op == "call_module" and weight.args:  # through the weight quantizer
         weight = weight.args[0]
     if isinstance(weight, fx.Node) and weight.op == "get_attr":
-        owner, _, attr = str(weight.target).rpartition(".")
-        tensor = getattr(gm.get_submodule(owner), attr)
+        tensor = attr_value(gm, weight.target)
         return int(tensor.shape[0]) if isinstance(tensor, Tensor) and tensor.dim() == 2 else None
     return None
 
@@ -78,15 +78,15 @@ def given_inputs(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str,
     return dict(zip(names, args, strict=False)) | dict(kwargs)
 
 
-def _check_nonempty(specs: Sequence[Mapping[str, Any]], given: Mapping[str, Any], where: str) -> None:
+def _check_nonempty(specs: Sequence[InputSpec], given: Mapping[str, Any], where: str) -> None:
     for spec in specs:
-        value = given.get(spec["name"])
+        value = given.get(spec.name)
         if not isinstance(value, Tensor) or value.numel() > 0:
             continue
-        example = tuple(spec["shape"])
+        example = tuple(spec.shape)
         if all(size > 0 for size in example):
             raise InputValidationError(
-                f"{where}: input '{spec['name']}' has shape {tuple(value.shape)}, which holds no elements (the "
+                f"{where}: input '{spec.name}' has shape {tuple(value.shape)}, which holds no elements (the "
                 f"example input given to prepare had shape {example}); skip empty batches (e.g. a DataLoader over "
                 "an empty shard, or a filtered batch with no samples left)"
             )
@@ -107,37 +107,34 @@ def _check_token_ids(tokens: Sequence[TokenInput], given: Mapping[str, Any], whe
             )
 
 
-def check_batch(meta: Mapping[str, Any], tokens: Sequence[TokenInput], given: Mapping[str, Any], where: str) -> None:
+def check_batch(meta: GraphMeta, tokens: Sequence[TokenInput], given: Mapping[str, Any], where: str) -> None:
     """Empty-tensor and token-id checks of one batch (``where`` starts the message, e.g. ``"calibration batch 3"``).
 
     Raises:
         InputValidationError: an empty input, or a token id outside its embedding.
     """
-    _check_nonempty(meta.get("input_specs", []), given, where)
+    _check_nonempty(meta.input_specs, given, where)
     _check_token_ids(tokens, given, where)
 
 
-def prepared_meta(model: object) -> Mapping[str, Any] | None:
+def prepared_meta(model: object) -> GraphMeta | None:
     """The coreai_opt metadata of a prepared / converted model, or None for any other module."""
-    try:
-        return graph_meta(model, "input check")
-    except TypeError:
-        return None
+    return get_graph_meta(model)
 
 
 def _float_dtypes(model: nn.Module) -> set[str]:
     return {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
 
 
-def _check_dtype_and_rank(model: nn.Module, spec: Mapping[str, Any], value: Tensor, where: str) -> None:
+def _check_dtype_and_rank(model: nn.Module, spec: InputSpec, value: Tensor, where: str) -> None:
     dtype = str(value.dtype).removeprefix("torch.")
-    recorded = spec["dtype"]
+    recorded = spec.dtype
     same_kind = value.is_floating_point() == getattr(torch, recorded).is_floating_point
     float_ok = dtype == recorded or not value.is_floating_point() or dtype in _float_dtypes(model)
-    if not same_kind or not float_ok or value.dim() != len(spec["shape"]):
+    if not same_kind or not float_ok or value.dim() != len(spec.shape):
         raise InputValidationError(
-            f"{where}: input '{spec['name']}' is {dtype} of shape {tuple(value.shape)} but the example input given "
-            f"to prepare was {recorded} of shape {tuple(spec['shape'])}; pass inputs of that dtype and rank (only "
+            f"{where}: input '{spec.name}' is {dtype} of shape {tuple(value.shape)} but the example input given "
+            f"to prepare was {recorded} of shape {spec.shape}; pass inputs of that dtype and rank (only "
             "the batch dimension is free)"
         )
 
@@ -153,15 +150,15 @@ def check_model_inputs(model: nn.Module, args: Sequence[Any], where: str) -> Non
     meta = prepared_meta(model)
     if meta is None:
         return
-    names = list(meta.get("input_names", []))
+    names = list(meta.input_names)
     if names and len(args) > len(names):
         raise InputValidationError(
             f"{where}: {len(args)} inputs given but the model takes {len(names)} ({', '.join(names)}); pass one "
             "tensor per model input, in order"
         )
     given = given_inputs(names, args, {})
-    for spec in meta.get("input_specs", []):
-        value = given.get(spec["name"])
+    for spec in meta.input_specs:
+        value = given.get(spec.name)
         if isinstance(value, Tensor):
             _check_dtype_and_rank(model, spec, value, where)
     check_batch(meta, token_inputs(model, names) if isinstance(model, fx.GraphModule) else [], given, where)

@@ -4,8 +4,7 @@ The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
     capture (→ functionalize_inplace) → check_finite_weights → decompose_attention → classify_ops →
     functionalize_weights → fold_batchnorm → fold_attention_scale → annotate → insert_quantizers →
-    check_activation_axes
-            [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
+    check_activation_axes → insert_weight_statistics
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
 off and fake quantization on (``calibrate`` turns observers on for its duration); a QAT model
@@ -18,6 +17,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,14 +32,14 @@ from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.decompose_attention import decompose_attention
-from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
 from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
+from coreai_opt.passes.graph_meta import InputSpec, get_graph_meta, set_graph_meta
 from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
-from coreai_opt.passes.node_meta import META_KEY, get_meta
+from coreai_opt.passes.node_meta import get_meta
 
 __all__ = ["prepare"]
 
@@ -48,13 +48,10 @@ __all__ = ["prepare"]
 _USER_STACKLEVEL = 3
 
 
-def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[InputSpec, ...]:
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    specs = []
-    for name, value in bound.arguments.items():
-        if isinstance(value, torch.Tensor):
-            specs.append({"name": name, "dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)})
-    return specs
+    return tuple(InputSpec(name, str(value.dtype).removeprefix("torch."), tuple(value.shape))
+                 for name, value in bound.arguments.items() if isinstance(value, torch.Tensor))
 
 
 @public_api
@@ -86,8 +83,9 @@ def prepare(
         qat: Prepare for quantization-aware training (train mode, observers and fake quantization on).
 
     Returns:
-        The prepared GraphModule; ``prepared.meta["coreai_opt"]`` holds ``capture``, ``converted``,
-        ``input_names``, ``config``, ``qat`` and ``input_specs``.
+        The prepared GraphModule; its :class:`~coreai_opt.passes.graph_meta.GraphMeta`
+        (``get_graph_meta(prepared)``) holds ``capture``, ``converted``, ``input_names``, ``config``, ``qat``
+        and ``input_specs``.
 
     Raises:
         TypeError: ``model`` is not an nn.Module, ``config`` not a QuantizerConfig, or ``example_inputs`` not a
@@ -139,8 +137,6 @@ def prepare(
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
     check_activation_axes(gm, example_inputs, kwargs)
-    if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
-        gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
     gm = insert_weight_statistics(gm).graph_module  # data-aware weight rounding observes the linears' inputs
     warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),
                            stacklevel=_USER_STACKLEVEL)
@@ -149,8 +145,6 @@ def prepare(
         fq.enable_observer(qat)
         fq.enable_fake_quant(True)
     gm.train(qat)
-    gm.meta[META_KEY].update(
-        config=config.to_dict(), converted=False, qat=qat,
-        input_specs=_input_specs(model, example_inputs, kwargs),
-    )
+    set_graph_meta(gm, replace(get_graph_meta(gm), config=config.to_dict(), converted=False, qat=qat,
+                               input_specs=_input_specs(model, example_inputs, kwargs)))
     return gm

@@ -15,8 +15,8 @@ size of the activation statistics (per-tensor min/max: a few bytes; a histogram:
 the qparams of weights that changed since the last commit; :attr:`QuantizerSnapshot.nbytes` reports it.
 
 Restore writes saved values back *into the original buffer tensors* (when they were changed in place), so
-references to ``fq.calculator.scale`` held elsewhere see the restored values, and rebinds buffers that were
-replaced.
+references to the qparams tensors (``fq.get_qparams().scale``) held elsewhere see the restored values, and
+rebinds buffers that were replaced.
 """
 
 from __future__ import annotations
@@ -90,11 +90,6 @@ class _SavedModule:
         return sum(b.copy.numel() * b.copy.element_size() for b in self.buffers.values() if b.copy is not None)
 
 
-def _rounds_with_data(fq: FakeQuantize) -> bool:
-    """True when ``fq``'s weight rounding collects input statistics (its integers change at every calibrate)."""
-    return fq.rounding is not None and fq.rounding.statistics is not None
-
-
 class QuantizerSnapshot:
     """Everything ``calibrate`` may change in ``model``; :meth:`restore` puts it back exactly.
 
@@ -111,7 +106,7 @@ class QuantizerSnapshot:
         weight_quantizers = [fq for fq, _ in weight_quantizer_inputs(model)]
         stale = {id(fq) for fq, _ in stale_weight_quantizers(model)}
         # data-aware weight rounding (GPTQ ...) observes and re-rounds during calibrate: always cloned
-        untouched = {id(fq) for fq in weight_quantizers if id(fq) not in stale and not _rounds_with_data(fq)}
+        untouched = {id(fq) for fq in weight_quantizers if id(fq) not in stale and not fq.rounds_with_data}
         self._modules: list[_SavedModule] = []
         for root in model.modules():
             if isinstance(root, (FakeQuantize, BiasFakeQuantize)):

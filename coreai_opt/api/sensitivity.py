@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from coreai_opt.api._state import fake_quantizers, graph_meta
+from coreai_opt.api._state import fake_quantizers
 from coreai_opt.api.batches import as_call
 from coreai_opt.api.model_guard import exclusive_model
 from coreai_opt.config.quantizer_config import OpConfig, QuantizerConfig
 from coreai_opt.error_boundary import public_api
+from coreai_opt.passes.graph_meta import require_graph_meta
 from coreai_opt.passes.node_meta import get_meta
 from coreai_opt.passes.op_kinds import WEIGHTED_KINDS, OpKind
 from coreai_opt.quantization.spec import FakeQuantize, PerTensor, QuantizationScheme, QuantizationSpec
@@ -101,7 +102,7 @@ def layer_quantizers(prepared: fx.GraphModule) -> dict[str, tuple[str, ...]]:
     Raises:
         TypeError: ``prepared`` was not produced by ``prepare``.
     """
-    graph_meta(prepared, "sensitivity")
+    require_graph_meta(prepared, "sensitivity")
     layers: dict[str, list[str]] = {}
     for node in prepared.graph.nodes:
         meta = get_meta(node)

@@ -40,9 +40,11 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
+from coreai_opt.api.activation_stats import ChannelAbsMax
 from coreai_opt.api.batches import as_call
 from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.capture import capture as capture_model
+from coreai_opt.passes.graph_attrs import attr_value
 from coreai_opt.passes.smooth_quant import SmoothingSite, apply_smoothing, find_sites
 from coreai_opt.quantization.spec import compute_qparams, get_dtype_info, quantize_dequantize
 
@@ -113,15 +115,13 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.names, self.max_tokens = names, max_tokens
         self.fold = 0
-        self.absmax: list[dict[str, Tensor]] = [{}, {}]
+        self.absmax = [ChannelAbsMax(), ChannelAbsMax()]
         self.samples: list[dict[str, list[Tensor]]] = [{}, {}]
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         if n.name in self.names and isinstance(out, Tensor):
-            flat = out.detach().float().reshape(-1, out.shape[-1])
-            amax, seen = flat.abs().amax(dim=0), self.absmax[self.fold]
-            seen[n.name] = amax if n.name not in seen else torch.maximum(seen[n.name], amax)
+            flat = self.absmax[self.fold].update(n.name, out)
             kept = sum(t.shape[0] for t in self.samples[self.fold].get(n.name, []))
             if kept < self.max_tokens:
                 self.samples[self.fold].setdefault(n.name, []).append(flat[: self.max_tokens - kept].clone())
@@ -129,13 +129,9 @@ class _Recorder(fx.Interpreter):
 
     def site_absmax(self, name: str, fold: int | None = None) -> Tensor:
         """Abs-max over one fold, or over both (``fold=None``; a fold without batches is skipped)."""
-        folds = [self.absmax[f][name] for f in ((0, 1) if fold is None else (fold,)) if name in self.absmax[f]]
+        folds = [self.absmax[f].values[name] for f in ((0, 1) if fold is None else (fold,))
+                 if name in self.absmax[f].values]
         return torch.stack(folds).amax(dim=0)
-
-
-def _param(gm: fx.GraphModule, target: str) -> Tensor:
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _fake_quant(x: Tensor, dtype: str, scheme: str, per_row: bool) -> Tensor:
@@ -238,7 +234,7 @@ def smooth_quant(
     reports: list[SiteReport] = []
     for site in sites:
         amax = recorder.site_absmax(site.tensor)
-        weights = [_param(gm, t).detach().float() for t in site.consumers]
+        weights = [attr_value(gm, t).detach().float() for t in site.consumers]
         w_absmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
         usable = site.foldable or insert_mul
         chosen: float | None = float(alpha) if alpha != "search" else None

@@ -7,20 +7,26 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from coreai_opt.api._state import graph_meta
 from coreai_opt.error_boundary import public_api
-from coreai_opt.passes.node_meta import Role, get_meta
-from coreai_opt.quantization.spec import FakeQuantize, StatefulQParamsCalculatorBase
+from coreai_opt.passes.graph_meta import require_graph_meta
+from coreai_opt.passes.node_meta import Role, get_meta, node_label
+from coreai_opt.quantization.spec import FakeQuantize
 
 __all__ = ["summary", "QuantizationSummary", "QuantizerRow", "FloatOpRow"]
 
 
 @dataclass(frozen=True)
 class QuantizerRow:
-    """One quantizer module (called at one or more graph nodes)."""
+    """One quantizer module (called at one or more graph nodes).
+
+    Attributes:
+        consumers: The ops that read the quantized value (``"b"``, ``"blocks.0.attn.matmul_1"``, ``"output"``),
+            so that a tensor whose readers asked for different specs shows one row per quantizer and reader.
+    """
 
     module: str
     nodes: tuple[str, ...]
+    consumers: tuple[str, ...]
     serves: str
     op_kind: str
     role: str
@@ -53,8 +59,9 @@ class QuantizationSummary:
         return dict(Counter(r.op_kind for r in self.quantizers if role is None or r.role == role))
 
     def __str__(self) -> str:
-        head = ("quantizer", "nodes", "op kind", "role", "spec", "scale / zero point")
-        rows = [(r.serves, ",".join(r.nodes), r.op_kind, r.role, r.spec, r.qparams) for r in self.quantizers]
+        head = ("quantizer", "nodes", "consumers", "op kind", "role", "spec", "scale / zero point")
+        rows = [(r.serves, ",".join(r.nodes), ",".join(r.consumers), r.op_kind, r.role, r.spec, r.qparams)
+                for r in self.quantizers]
         lines = [f"coreai_opt summary (capture={self.capture}, converted={self.converted}): "
                  f"{len(self.quantizers)} quantizers, {len(self.float_ops)} float ops"]
         lines += _table(head, rows)
@@ -83,12 +90,13 @@ def _spec_text(module: object) -> str:
 
 
 def _qparams_text(module: object) -> str:
-    calc = getattr(module, "calculator", None)
-    if not isinstance(calc, StatefulQParamsCalculatorBase):
-        return "derived" if not isinstance(module, FakeQuantize) else "dynamic"
-    if not calc.has_qparams:
+    if not isinstance(module, FakeQuantize):
+        return "derived"
+    if not module.stateful:
+        return "dynamic"
+    if not module.has_qparams:
         return "not calibrated"
-    s, zp = calc.scale, calc.zero_point
+    s, zp, _ = module.get_qparams()
     if s.numel() == 1:
         return f"{float(s):.4g} / {int(zp) if zp is not None else '-'}"
     return f"{s.numel()} scales in [{float(s.min()):.3g}, {float(s.max()):.3g}]"
@@ -101,18 +109,21 @@ def summary(model: fx.GraphModule) -> QuantizationSummary:
     Raises:
         TypeError: ``model`` was not produced by ``prepare`` / ``convert``.
     """
-    meta = graph_meta(model, "summary")
+    meta = require_graph_meta(model, "summary")
     by_module: dict[str, list[fx.Node]] = {}
     for node in model.graph.nodes:
         info = get_meta(node).quantizer
         if info is not None and node.op == "call_module":
             by_module.setdefault(info.module, []).append(node)
+    position = {node: i for i, node in enumerate(model.graph.nodes)}
     rows = []
     for module_name, nodes in by_module.items():
         info = get_meta(nodes[0]).quantizer
         module = model.get_submodule(module_name)
-        rows.append(QuantizerRow(module_name, tuple(n.name for n in nodes), info.serves, info.op_kind.value,
-                                 info.role.value, _spec_text(module), _qparams_text(module)))
+        readers = sorted({u for n in nodes for u in n.users}, key=position.__getitem__)
+        consumers = tuple(dict.fromkeys(node_label(u) for u in readers))
+        rows.append(QuantizerRow(module_name, tuple(n.name for n in nodes), consumers, info.serves,
+                                 info.op_kind.value, info.role.value, _spec_text(module), _qparams_text(module)))
     floats = []
     for node in model.graph.nodes:
         m = get_meta(node)
@@ -120,4 +131,4 @@ def summary(model: fx.GraphModule) -> QuantizationSummary:
                         for u in node.users)
         if m.float_reason and not quantized:
             floats.append(FloatOpRow(node.name, m.module_name or "", m.kind.value if m.kind else "?", m.float_reason))
-    return QuantizationSummary(meta.get("capture", "?"), bool(meta.get("converted")), tuple(rows), tuple(floats))
+    return QuantizationSummary(meta.capture, meta.converted, tuple(rows), tuple(floats))

@@ -57,35 +57,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from coreai_opt.config.module_types import normalize_module_type, qualified_name
 from coreai_opt.error_boundary import public_api
+from coreai_opt.passes.annotate import CONFIGURABLE_KINDS, SHARING_KINDS
 from coreai_opt.quantization.spec import QuantizationSpec
 
 __all__ = ["OP_KINDS", "UNSET", "OpConfig", "QuantizerConfig", "ResolvedSpecs", "normalize_module_type"]
 
-#: The op kinds a config can target with ``op_kind`` (the graph pass labels every quantizable node with one).
-OP_KINDS: tuple[str, ...] = (
-    "conv",
-    "conv_transpose",
-    "linear",
-    "matmul",
-    "embedding",
-    "add",
-    "mul",
-    "sub",
-    "div",
-    "cat",
-    "layer_norm",
-    "group_norm",
-    "softmax",
-    "gelu",
-    "silu",
-    "hardswish",
-    "sigmoid",
-    "tanh",
-    "relu",
-    "interpolate",
-    "avg_pool",
-    "max_pool",
-)
+#: The op kinds a config can target with ``op_kind``: every kind whose quantization pattern applies the config's
+#: specs (derived from :data:`coreai_opt.passes.annotate.PATTERNS`, so the two cannot drift apart).
+OP_KINDS: tuple[str, ...] = tuple(kind.value for kind in CONFIGURABLE_KINDS)
+_SHARING_KINDS: tuple[str, ...] = tuple(kind.value for kind in SHARING_KINDS)
 
 _SPEC_FIELDS: tuple[str, ...] = ("weight", "activation")
 
@@ -279,6 +259,11 @@ def _validate_regex(pattern: Any) -> str:
 
 
 def _validate_op_kind(kind: Any) -> str:
+    if kind in _SHARING_KINDS:
+        raise ValueError(
+            f"op kind {kind!r} only moves values and shares its input's quantizer, so a config cannot set it; "
+            "configure the op that produces its input instead"
+        )
     if kind not in OP_KINDS:
         raise ValueError(f"unknown op kind {kind!r} in op_kind; valid op kinds: {', '.join(OP_KINDS)}")
     return kind

@@ -43,6 +43,7 @@ from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_use
 from coreai_opt.onnx.opset import preferred_opset, select_opset
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.onnx.transpose_weights import transpose_dequantized_weights
+from coreai_opt.passes.graph_meta import get_graph_meta
 from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize_translation_table
 
@@ -68,9 +69,9 @@ def _as_input_tuple(example_inputs: object) -> tuple[torch.Tensor, ...]:
 
 
 def _default_input_names(model: nn.Module, count: int) -> list[str]:
-    meta = getattr(model, "meta", {}).get("coreai_opt") if isinstance(model, torch.fx.GraphModule) else None
-    if meta and meta.get("input_names"):
-        names = list(meta["input_names"])
+    meta = get_graph_meta(model)
+    if meta is not None and meta.input_names:
+        names = list(meta.input_names)
     elif isinstance(model, torch.fx.GraphModule):
         names = [str(n.target) for n in model.graph.nodes if n.op == "placeholder"]
     else:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from torch import fx, nn
+from torch import nn
 
 from coreai_opt.onnx.opset import QuantizerUse
+from coreai_opt.passes.graph_meta import GraphMeta, get_graph_meta
 from coreai_opt.quantization.spec.bias_fake_quantize import BiasFakeQuantize
 from coreai_opt.quantization.spec.fake_quantize import FakeQuantize
 from coreai_opt.quantization.spec.granularity import PerBlock
@@ -14,11 +15,8 @@ __all__ = ["converted_quantizers", "quantizer_uses"]
 _CONVERT_HINT = "call coreai_opt.convert(prepared) and export the model it returns"
 
 
-def _coreai_meta(model: nn.Module) -> dict[str, object] | None:
-    if isinstance(model, fx.GraphModule):
-        meta = model.meta.get("coreai_opt")
-        return meta if isinstance(meta, dict) else None
-    return None
+def _coreai_meta(model: nn.Module) -> GraphMeta | None:
+    return get_graph_meta(model)
 
 
 def converted_quantizers(model: nn.Module) -> list[nn.Module]:
@@ -35,7 +33,7 @@ def converted_quantizers(model: nn.Module) -> list[nn.Module]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"export needs the torch.nn.Module returned by coreai_opt.convert, got {type(model).__name__}")
     meta = _coreai_meta(model)
-    if meta is not None and meta.get("converted") is not True:
+    if meta is not None and meta.converted is not True:
         raise ValueError(f"the model is prepared but not converted (gm.meta['coreai_opt']['converted'] is not True); "
                          f"{_CONVERT_HINT}")
     fake_quantizers = [m for m in model.modules() if isinstance(m, FakeQuantize)]

@@ -10,6 +10,7 @@ from coreai_opt.api import calibrate, convert, enable_observers, prepare, summar
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
 from coreai_opt.passes.capture import CaptureError
+from coreai_opt.passes.graph_meta import GraphMeta, InputSpec, get_graph_meta
 from coreai_opt.quantization.spec import QuantizationSpec
 from tests.zoo import PRESETS, ZOO, build, preset_config, weighted_layer_count
 
@@ -133,10 +134,11 @@ def test_prepare_qat_starts_in_train_mode_with_observers_on():
 def test_prepare_graph_meta_follows_the_contract():
     model, example, _ = build("transformer_encoder")
     cfg = QuantizerConfig.presets.w8a8()
-    meta = prepare(model, cfg, example).meta["coreai_opt"]
-    assert meta["capture"] == "fx" and meta["converted"] is False and meta["input_names"] == ["tokens"]
-    assert meta["config"] == cfg.to_dict()
-    assert meta["input_specs"] == [{"name": "tokens", "dtype": "int64", "shape": [2, 12]}]
+    prepared = prepare(model, cfg, example)
+    assert get_graph_meta(prepared) == GraphMeta(
+        capture="fx", input_names=("tokens",), converted=False, qat=False,
+        input_specs=(InputSpec("tokens", "int64", (2, 12)),), config=cfg.to_dict())
+    assert prepared.meta["coreai_opt"]["config"] == cfg.to_dict()  # dict-style reads keep working
 
 
 def test_prepare_warns_when_a_train_mode_model_is_prepared_for_ptq():

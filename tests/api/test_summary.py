@@ -16,8 +16,8 @@ def test_summary_lists_quantizers_with_specs_and_qparams():
     text = str(report)
     print(text)
     assert text.splitlines()[0] == "coreai_opt summary (capture=fx, converted=True): 15 quantizers, 0 float ops"
-    assert text.splitlines()[1].split() == ["quantizer", "nodes", "op", "kind", "role", "spec", "scale", "/", "zero",
-                                            "point"]
+    assert text.splitlines()[1].split() == ["quantizer", "nodes", "consumers", "op", "kind", "role", "spec", "scale",
+                                            "/", "zero", "point"]
     rows = {r.serves: r for r in report.quantizers}
     assert rows["conv1.weight"].spec == "int8 symmetric per_channel(axis=0) minmax/static"
     assert rows["conv1.weight"].qparams.startswith("16 scales in [")

@@ -236,10 +236,26 @@ def test_resolve_accepts_str_enum_op_kind_and_names_its_value():
     assert cfg.resolve(Kind.CONV, "c", None) == ResolvedSpecs(W4, None, "op_kind:conv")
 
 
-def test_op_kinds_are_all_known_to_the_graph_pass():
+def test_op_kinds_are_exactly_the_kinds_whose_annotation_pattern_applies_the_config():
+    from coreai_opt.passes.annotate import PATTERNS
     from coreai_opt.passes.op_kinds import OpKind
 
-    assert set(OP_KINDS) <= {kind.value for kind in OpKind}
+    configurable = [k.value for k in OpKind if k in PATTERNS and k not in (OpKind.MOVE, OpKind.DROPOUT,
+                                                                             OpKind.MAX_POOL)]
+    assert list(OP_KINDS) == configurable
+    assert OP_KINDS == ("conv", "conv_transpose", "linear", "matmul", "embedding", "add", "mul", "sub", "div", "cat",
+                        "layer_norm", "group_norm", "softmax", "gelu", "silu", "hardswish", "sigmoid", "tanh", "relu",
+                        "relu6", "hardtanh", "interpolate", "avg_pool")
+    relu6 = QuantizationSpec(dtype="uint16", qscheme="asymmetric")
+    resolved = QuantizerConfig().set_op_kind("relu6", OpConfig(activation=relu6)).resolve("relu6", None, None)
+    assert resolved.activation == relu6 and resolved.source == "weight from global; activation from op_kind:relu6"
+
+
+def test_op_kind_of_a_value_moving_op_is_rejected_with_the_fix():
+    for kind in ("max_pool", "move", "dropout"):
+        with pytest.raises(ValueError, match=rf"op kind '{kind}' only moves values and shares its input's "
+                                             "quantizer.*configure the op that produces its input"):
+            QuantizerConfig().set_op_kind(kind, None)
 
 
 def test_resolve_rejects_wrong_argument_types():
@@ -302,7 +318,7 @@ def test_op_kind_rejects_unknown_kind_naming_it_and_listing_valid_kinds():
 def test_op_kind_accepts_every_listed_kind():
     cfg = QuantizerConfig(op_kind=dict.fromkeys(OP_KINDS))
     assert list(cfg.op_kind) == list(OP_KINDS)
-    assert len(OP_KINDS) == 22
+    assert len(OP_KINDS) == 23
 
 
 def test_module_name_rejects_invalid_regex_naming_it():

@@ -6,8 +6,9 @@ from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
 from coreai_opt.passes.node_meta import DerivedSpec, QuantSpec, Role, SharedSpec, get_meta
 from coreai_opt.passes.op_kinds import OpKind
-from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
-from tests.passes.pipeline import annotated
+from coreai_opt.quantization.spec import DynamicFakeQuantize, PerBlock, PerChannel, QuantizationSpec
+from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
+from tests.passes.pipeline import annotated, inserted
 from tests.zoo import build
 
 W8A8 = QuantizerConfig.presets.w8a8
@@ -134,3 +135,40 @@ def test_annotate_module_name_override_applies_to_one_layer():
     assert [s.role for _, s in get_meta(stem).annotation.inputs] == [Role.ACTIVATION]
     assert get_meta(stem).float_reason == ("stem.0 (conv2d) weight left float: no weight spec "
                                            "(weight from module_name:'stem\\.0'; activation from global)")
+
+
+def _dynamic_config() -> QuantizerConfig:
+    return QuantizerConfig(weight=QuantizerConfig.presets.w8().weight, activation=dynamic_activation_spec())
+
+
+def test_annotate_dynamic_spec_is_requested_only_on_linear_input_edges():
+    model, example, _ = build("transformer_encoder")
+    gm = annotated(model, example[0], _dynamic_config())
+    dynamic = [(arg, node, spec) for node in gm.graph.nodes if get_meta(node).annotation is not None
+               for arg, spec in get_meta(node).annotation.inputs
+               if isinstance(spec, QuantSpec) and spec.spec == dynamic_activation_spec()]
+    assert len(dynamic) == 13  # q, k, v, out_proj, fc1, fc2 per block and the head
+    assert all(get_meta(node).kind is OpKind.LINEAR and spec.edge_only for _, node, spec in dynamic)
+    outputs = [get_meta(n).annotation.output for n in gm.graph.nodes if get_meta(n).annotation is not None]
+    assert not any(isinstance(o, QuantSpec) for o in outputs)  # only value-moving ops' SharedSpec remain
+    ln = next(n for n in gm.graph.nodes if get_meta(n).kind is OpKind.LAYER_NORM)
+    assert get_meta(ln).float_reason.endswith("output left float: dynamic activation quantization applies to "
+                                              "linear-layer inputs only")
+    linear = next(n for _, n, _ in dynamic)
+    assert "bias left float: a dynamic (stateless) quantizer has no scale buffer" in get_meta(linear).float_reason
+
+
+def test_inserted_dynamic_quantizers_feed_linear_layers_only():
+    model, example, _ = build("transformer_encoder")
+    gm = inserted(model, example[0], _dynamic_config())
+    dynamic = [n for n in gm.graph.nodes
+               if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), DynamicFakeQuantize)]
+    assert len(dynamic) == 9  # per block: ln1 (shared by q/k/v), attention output, ln2, gelu; plus the head input
+    assert all(get_meta(u).kind is OpKind.LINEAR for n in dynamic for u in n.users)
+    # the attention output reaches out_proj through transpose -> reshape: quantized right before it, on the
+    # reshape output (exact: per-tensor dynamic quantization commutes with moving values)
+    out_proj = next(n for n in gm.graph.nodes if get_meta(n).module_name == "blocks.0.attn.o"
+                    and get_meta(n).kind is OpKind.LINEAR)
+    call = out_proj.args[0]
+    assert call in dynamic and get_meta(call.args[0]).kind is OpKind.MOVE
+    assert get_meta(call.args[0].args[0]).kind is OpKind.MOVE  # transpose, read as float

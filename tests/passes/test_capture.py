@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from coreai_opt.passes.capture import CaptureError, capture
+from coreai_opt.passes.graph_meta import get_graph_meta
 from coreai_opt.passes.node_meta import get_meta
 from tests.zoo import ZOO, build
 
@@ -16,8 +17,8 @@ def test_capture_auto_picks_expected_method_and_matches_eager(name):
     model, example, _ = build(name)
     reference = copy.deepcopy(model.state_dict())
     gm = capture(model, example)
-    assert gm.meta["coreai_opt"]["capture"] == ZOO[name].capture
-    assert gm.meta["coreai_opt"]["input_names"] == list(inspect.signature(model.forward).parameters)
+    assert get_graph_meta(gm).capture == ZOO[name].capture
+    assert get_graph_meta(gm).input_names == tuple(inspect.signature(model.forward).parameters)
     gm.eval()
     assert torch.equal(gm(*example), model(*example))
     assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
@@ -84,7 +85,7 @@ def test_capture_fx_uses_concrete_args_to_specialise_flags():
             return y * 2 if double else y
 
     gm = capture(Flagged(), (torch.randn(2, 4),), method="fx", concrete_args={"double": True})
-    assert gm.meta["coreai_opt"]["input_names"] == ["x"]
+    assert get_graph_meta(gm).input_names == ("x",)
     assert sum(n.target is operator.mul for n in gm.graph.nodes) == 1
 
 
@@ -102,7 +103,7 @@ def test_capture_export_accepts_keyword_inputs_with_dynamic_batch():
     model = _Keyword().eval()
     x, scale = torch.randn(2, 5, 4), torch.randn(1, 3)
     gm = capture(model, (x,), {"scale": scale}, method="export")
-    assert gm.meta["coreai_opt"]["input_names"] == ["x", "scale"]
+    assert get_graph_meta(gm).input_names == ("x", "scale")
     gm.eval()
     y = torch.randn(7, 5, 4)
     assert torch.equal(gm(y, scale=scale), model(y, scale=scale))

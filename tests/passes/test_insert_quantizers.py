@@ -65,7 +65,7 @@ def test_insert_quantizers_cat_inputs_share_one_module():
     assert [str(u.target) for u in cat.users] == list(targets)
 
 
-def test_insert_quantizers_bias_uses_derived_int32_scale():
+def test_insert_quantizers_bias_reads_the_input_and_weight_quantizers_it_derives_from():
     torch.manual_seed(0)
     gm = inserted(_TwoConsumers().eval(), torch.randn(2, 4), W8A8())
     for fq in (m for m in gm.modules() if isinstance(m, FakeQuantize)):
@@ -75,13 +75,20 @@ def test_insert_quantizers_bias_uses_derived_int32_scale():
     bias_node = next(n for n in _quantizer_nodes(gm) if get_meta(n).quantizer.role is Role.BIAS)
     bq = gm.get_submodule(str(bias_node.target))
     assert isinstance(bq, BiasFakeQuantize)
-    bias, s_in_node, s_w_node = bias_node.args
-    assert s_in_node.target.endswith("x_input_fq.calculator.scale")
-    assert s_w_node.target == "a_weight_fq.calculator.scale"
-    s = gm.get_submodule("x_input_fq").calculator.scale * gm.get_submodule("a_weight_fq").calculator.scale
+    bias, in_node, w_node = bias_node.args
+    # the graph passes the two quantizer modules (get_attr), not their calculators' buffers
+    assert (in_node.op, in_node.target, w_node.op, w_node.target) == ("get_attr", "x_input_fq", "get_attr",
+                                                                      "a_weight_fq")
+    s = gm.get_submodule("x_input_fq").get_qparams().scale * gm.get_submodule("a_weight_fq").get_qparams().scale
     b = gm.get_submodule("a").bias
-    assert torch.equal(bq(b, *(gm.get_submodule(n.target.rpartition(".")[0]).scale for n in (s_in_node, s_w_node))),
-                       torch.round(b / s) * s)
+    expected = torch.round(b / s) * s
+    assert torch.equal(bq(b, gm.get_submodule("x_input_fq"), gm.get_submodule("a_weight_fq")), expected)
+    # a new input scale (a QAT step) is read at the next call: s_b = s_in · s_w is never stale
+    before = s.clone()
+    gm(torch.randn(16, 4) * 3)
+    s = gm.get_submodule("x_input_fq").get_qparams().scale * gm.get_submodule("a_weight_fq").get_qparams().scale
+    assert not torch.equal(s, before)
+    assert torch.equal(bq(b, gm.get_submodule("x_input_fq"), gm.get_submodule("a_weight_fq")), torch.round(b / s) * s)
 
 
 def test_insert_quantizers_is_a_no_op_for_a_float_config():

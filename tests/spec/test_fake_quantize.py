@@ -231,3 +231,39 @@ def test_fake_quantize_reset_statistics_drops_pending_calibration() -> None:
     fq(torch.tensor([-1.0, 2.0]))
     fq.commit()
     assert fq.calculator.scale.item() == torch.tensor(2 / 127.5).item()
+
+
+def test_fake_quantize_public_qparams_accessor_is_live_and_statistics_go_through_the_module() -> None:
+    fq = FakeQuantize(QuantizationSpec(dtype="uint8", qscheme="asymmetric"))
+    assert fq.stateful and not fq.exports_dynamic and not fq.has_qparams and not fq.has_statistics
+    fq.observe(torch.tensor([-1.0, 3.0]))
+    assert fq.has_statistics and not fq.has_qparams
+    fq.commit()
+    scale, zero_point, minval = fq.get_qparams()
+    assert (scale.item() * 255, zero_point.item()) == pytest.approx((4.0, 64))
+    assert scale is fq.calculator.scale  # the live buffer: a later commit updates what a reader holds
+    fq.reset_statistics()
+    fq.observe(torch.tensor([-2.0, 6.0]))
+    fq.commit()
+    assert scale.item() * 255 == pytest.approx(8.0) and fq.get_qparams().scale is scale
+    dynamic = FakeQuantize(QuantizationSpec(dtype="uint8", qscheme="asymmetric", qparams_calculator="dynamic"))
+    assert not dynamic.stateful and not dynamic.has_statistics
+    with pytest.raises(RuntimeError, match="caches no qparams"):
+        dynamic.get_qparams()
+
+
+def test_bias_fake_quantize_reads_the_current_scales_of_the_quantizers_it_is_given() -> None:
+    x_fq = FakeQuantize(QuantizationSpec(dtype="uint8", qscheme="asymmetric"))
+    w_fq = FakeQuantize(QuantizationSpec(dtype="int8", granularity=PerChannel(0)))
+    x_fq.observe(torch.tensor([0.0, 2.55]))
+    w_fq.observe(torch.tensor([[1.275, 0.0], [-0.6375, 0.1]]))
+    x_fq.commit()
+    w_fq.commit()
+    bias = torch.tensor([0.26, -1.0])
+    bq = BiasFakeQuantize()
+    expected = bq(bias, x_fq.get_qparams().scale, w_fq.get_qparams().scale)
+    assert torch.equal(bq(bias, x_fq, w_fq), expected)
+    x_fq.observe(torch.tensor([0.0, 25.5]))  # the input scale moves (a QAT step): the derived scale follows
+    x_fq.commit()
+    assert torch.equal(bq(bias, x_fq, w_fq), bq(bias, x_fq.get_qparams().scale, w_fq.get_qparams().scale))
+    assert not torch.equal(bq(bias, x_fq, w_fq), expected)

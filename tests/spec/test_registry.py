@@ -118,3 +118,18 @@ def test_spec_rejects_unknown_registry_key_naming_the_field_and_known_keys() -> 
         QuantizationSpec(dtype="int8", range_calculator="minmaxx")
     with pytest.raises(ValueError, match=r"qparams_calculator\n.*'moving_average'"):
         QuantizationSpec(dtype="int8", qparams_calculator="ema")
+
+
+def test_registry_classmethods_come_from_one_mixin_bound_to_each_family() -> None:
+    from coreai_opt.quantization.spec.registry import RegistryFamily
+    from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING, WeightRoundingBase
+
+    names = ("register", "get_class", "resolve", "list_registry_keys", "list_registry_values")
+    for base, registry in ((RangeCalculatorBase, RANGE_CALCULATORS), (QParamsCalculatorBase, QPARAMS_CALCULATORS),
+                           (FakeQuantize, FAKE_QUANTIZE), (WeightRoundingBase, WEIGHT_ROUNDING)):
+        assert issubclass(base, RegistryFamily) and base.family_registry is registry
+        assert not any(name in vars(base) for name in names)  # written once, in the mixin
+    assert MinMaxRangeCalculator.get_class("minmax") is MinMaxRangeCalculator  # subclasses reach the same registry
+    assert StaticQParamsCalculator.list_registry_keys() == QPARAMS_CALCULATORS.list_registry_keys()
+    assert {"rtn", "mse", "hqq", "gptq", "gptq_mse"} <= set(WeightRoundingBase.list_registry_keys())
+    assert WeightRoundingBase.get_class("gptq") is WEIGHT_ROUNDING.get_class("gptq")

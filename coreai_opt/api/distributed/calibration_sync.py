@@ -5,8 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from coreai_opt.api.distributed.process_group import Timeout, is_distributed, is_main_process
-from coreai_opt.api.distributed.status import _exchange_status, report_failure
-from coreai_opt.api.distributed.sync import _fingerprint, _order_dependent, _stateful_calculators, _sync_items
+from coreai_opt.api.distributed.status import exchange_status, report_failure
+from coreai_opt.api.distributed.sync import (
+    order_dependent_items,
+    quantizer_fingerprint,
+    stateful_calculators,
+    sync_items,
+)
 
 __all__ = ["SYNC_MODES", "CalibrationSync"]
 
@@ -59,8 +64,8 @@ class CalibrationSync:
         self.batches = 0  # batches this rank ran
         self.total_batches = 0  # batches all ranks ran (known after finish(); == batches when not enabled)
         self.synced = 0  # calculators merged by finish()
-        self._items = _stateful_calculators(model) if self.enabled else []
-        self._ordered = _order_dependent(self._items)
+        self._items = stateful_calculators(model) if self.enabled else []
+        self._ordered = order_dependent_items(self._items)
 
     @property
     def is_main(self) -> bool:
@@ -74,11 +79,12 @@ class CalibrationSync:
             self._step(active=True)
 
     def _step(self, active: bool) -> bool:
-        status = _exchange_status(
-            self.group, self.timeout, fingerprint=_fingerprint(self._ordered), count=len(self._ordered), active=active
+        status = exchange_status(
+            self.group, self.timeout, fingerprint=quantizer_fingerprint(self._ordered), count=len(self._ordered),
+            active=active,
         )
         if status.any_active:
-            _sync_items(self._ordered, self.group, self.timeout, only_order_dependent=True)
+            sync_items(self._ordered, self.group, self.timeout, only_order_dependent=True)
         return status.any_active
 
     def finish(self) -> int:
@@ -89,15 +95,15 @@ class CalibrationSync:
         if self.mode == "every_batch":
             while self._step(active=False):
                 pass
-        status = _exchange_status(
+        status = exchange_status(
             self.group,
             self.timeout,
-            fingerprint=_fingerprint(self._items),
+            fingerprint=quantizer_fingerprint(self._items),
             count=len(self._items),
             batches=self.batches,
         )
         self.total_batches = sum(status.batches)
-        self.synced = _sync_items(self._items, self.group, self.timeout)
+        self.synced = sync_items(self._items, self.group, self.timeout)
         return self.synced
 
     def fail(self, error: BaseException) -> None:

@@ -1,4 +1,8 @@
-"""Process-group queries that also work without one, per-collective timeouts and a barrier that cannot hang."""
+"""Process-group queries that also work without one, checked collectives and a barrier that cannot hang.
+
+The primitives themselves (rank, world size, communication device, a collective with a timeout) are the spec
+layer's (:mod:`coreai_opt.quantization.spec.collectives`); this module adds :class:`DistributedSyncError`.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,26 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
-
 from coreai_opt.errors import CoreaiOptRuntimeError
+from coreai_opt.quantization.spec.collectives import (
+    as_timedelta,
+    get_rank,
+    get_world_size,
+    is_distributed,
+    run_collective,
+    torch_distributed,
+)
 
 __all__ = [
     "DistributedSyncError",
     "Timeout",
     "barrier",
+    "collective_error",
     "get_rank",
     "get_world_size",
     "is_distributed",
     "is_main_process",
+    "run_checked",
 ]
 
 #: Seconds, a timedelta, or None for the process group's own timeout.
@@ -28,49 +40,14 @@ class DistributedSyncError(CoreaiOptRuntimeError):
     """Raised on every rank when a sync point fails: a rank reported an error, timed out, or disagreed."""
 
 
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
-
-def is_distributed() -> bool:
-    """True when ``torch.distributed`` is available and a process group is initialised."""
-    dist = _dist()
-    return bool(dist.is_available() and dist.is_initialized())
-
-
-def get_rank(group: object | None = None) -> int:
-    """Rank of this process in ``group`` (0 without a process group)."""
-    return _dist().get_rank(group=group) if is_distributed() else 0
-
-
-def get_world_size(group: object | None = None) -> int:
-    """Number of ranks in ``group`` (1 without a process group)."""
-    return _dist().get_world_size(group=group) if is_distributed() else 1
-
-
 def is_main_process(group: object | None = None) -> bool:
     """True on rank 0 of ``group``, and always without a process group (print, progress bars, file writes)."""
     return get_rank(group) == 0
 
 
-def _as_timedelta(timeout: Timeout) -> timedelta | None:
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    return timedelta(seconds=float(timeout))
-
-
-def _comm_device(group: object | None) -> torch.device:
-    backend = str(_dist().get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _collective_error(what: str, timeout: Timeout, exc: BaseException) -> DistributedSyncError:
+def collective_error(what: str, timeout: Timeout, exc: BaseException) -> DistributedSyncError:
     """The error every waiting rank raises when collective ``what`` failed or timed out."""
-    limit = _as_timedelta(timeout)
+    limit = as_timedelta(timeout)
     limit_text = f"{limit.total_seconds():g} s" if limit is not None else "the process group timeout"
     return DistributedSyncError(
         f"rank {get_rank()}: collective '{what}' failed or timed out after {limit_text} "
@@ -79,22 +56,18 @@ def _collective_error(what: str, timeout: Timeout, exc: BaseException) -> Distri
     )
 
 
-def _run(collective: Callable[..., Any], /, *args: Any, timeout: Timeout, what: str, **kwargs: Any) -> None:
+def run_checked(collective: Callable[..., Any], /, *args: Any, timeout: Timeout, what: str, **kwargs: Any) -> None:
     """Run ``collective`` and wait at most ``timeout`` (None: the process group's own timeout).
 
     Raises:
         DistributedSyncError: the collective failed or timed out.
     """
-    limit = _as_timedelta(timeout)
     try:
-        if limit is None:
-            collective(*args, **kwargs)
-        else:
-            collective(*args, async_op=True, **kwargs).wait(timeout=limit)
+        run_collective(collective, *args, timeout=timeout, **kwargs)
     except DistributedSyncError:
         raise
     except RuntimeError as exc:
-        raise _collective_error(what, timeout, exc) from exc
+        raise collective_error(what, timeout, exc) from exc
 
 
 def barrier(group: object | None = None, timeout: Timeout = 300.0) -> None:
@@ -107,8 +80,8 @@ def barrier(group: object | None = None, timeout: Timeout = 300.0) -> None:
     """
     if not is_distributed():
         return
-    dist = _dist()
-    limit = _as_timedelta(timeout)
+    dist = torch_distributed()
+    limit = as_timedelta(timeout)
     if str(dist.get_backend(group)) == "gloo":
         try:
             dist.monitored_barrier(group=group, timeout=limit, wait_all_ranks=True)
@@ -117,4 +90,4 @@ def barrier(group: object | None = None, timeout: Timeout = 300.0) -> None:
                 f"rank {get_rank()}: barrier not passed within {limit.total_seconds() if limit else '?'} s: {exc}"
             ) from exc
         return
-    _run(dist.barrier, group=group, timeout=limit, what="barrier")
+    run_checked(dist.barrier, group=group, timeout=limit, what="barrier")

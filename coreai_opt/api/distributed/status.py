@@ -16,15 +16,14 @@ from torch import Tensor
 from coreai_opt.api.distributed.process_group import (
     DistributedSyncError,
     Timeout,
-    _comm_device,
-    _dist,
-    _run,
     get_rank,
     get_world_size,
     is_distributed,
+    run_checked,
 )
+from coreai_opt.quantization.spec.collectives import comm_device, torch_distributed
 
-__all__ = ["report_failure"]
+__all__ = ["exchange_status", "report_failure"]
 
 _SENTINEL = -(2**62)  # "not given" in MAX reductions of int64 vectors
 _MESSAGE_BYTES = 1024  # error messages are exchanged in fixed-size buffers (one collective)
@@ -49,7 +48,7 @@ def _decode(buffer: Tensor) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", errors="replace")
 
 
-def _exchange_status(
+def exchange_status(
     group: object | None,
     timeout: Timeout,
     *,
@@ -68,9 +67,9 @@ def _exchange_status(
         DistributedSyncError: a rank reported an error (all ranks raise), or ranks disagree on the fingerprint
             or the number of quantizers (all ranks raise).
     """
-    dist = _dist()
+    dist = torch_distributed()
     world, rank = get_world_size(group), get_rank(group)
-    device = _comm_device(group)
+    device = comm_device(group)
     flags, counts = [0] * world, [0] * world
     flags[rank] = int(error is not None)
     counts[rank] = int(batches)
@@ -78,13 +77,14 @@ def _exchange_status(
     fp_pair = [fingerprint, -fingerprint] if fingerprint != _SENTINEL else [_SENTINEL, _SENTINEL]
     count_pair = [count, -count] if count != _SENTINEL else [_SENTINEL, _SENTINEL]
     header = torch.tensor([*flags, *counts, *fp_pair, *count_pair, int(active)], dtype=torch.int64, device=device)
-    _run(dist.all_reduce, header, op=dist.ReduceOp.MAX, group=group, timeout=timeout, what="status")
+    run_checked(dist.all_reduce, header, op=dist.ReduceOp.MAX, group=group, timeout=timeout, what="status")
     header = header.cpu()
     failed = [r for r in range(world) if int(header[r])]
     if failed:
         text = "" if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}")
         gathered = [torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device) for _ in range(world)]
-        _run(dist.all_gather, gathered, _encode(text).to(device), group=group, timeout=timeout, what="error messages")
+        run_checked(dist.all_gather, gathered, _encode(text).to(device), group=group, timeout=timeout,
+                    what="error messages")
         details = "; ".join(f"rank {r}: {_decode(gathered[r]) or 'unknown error'}" for r in failed)
         raise DistributedSyncError(
             f"rank {rank}: calibration failed on rank(s) {failed} ({details}); every rank stops here. Fix the "
@@ -117,6 +117,6 @@ def report_failure(error: BaseException | str, group: object | None = None, time
     if not is_distributed() or isinstance(error, DistributedSyncError):
         return
     try:
-        _exchange_status(group, timeout, error=error)
+        exchange_status(group, timeout, error=error)
     except DistributedSyncError:
         pass  # expected: the status collective reports our own failure back to us

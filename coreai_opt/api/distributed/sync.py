@@ -18,21 +18,21 @@ from torch import nn
 from coreai_opt.api.distributed.process_group import (
     DistributedSyncError,
     Timeout,
-    _collective_error,
-    _comm_device,
-    _dist,
-    _run,
+    collective_error,
     is_distributed,
+    run_checked,
 )
-from coreai_opt.api.distributed.status import _exchange_status
-from coreai_opt.quantization.spec.collectives import collective_timeout
+from coreai_opt.api.distributed.status import exchange_status
+from coreai_opt.quantization.spec.collectives import collective_timeout, comm_device, torch_distributed
 from coreai_opt.quantization.spec.qparams_calculator import QParamsCalculatorBase, StatefulQParamsCalculatorBase
 from coreai_opt.quantization.spec.range_calculator import RangeCalculatorBase
 
-__all__ = ["sync_statistics"]
+__all__ = [
+    "order_dependent_items", "quantizer_fingerprint", "stateful_calculators", "sync_items", "sync_statistics",
+]
 
 
-def _stateful_calculators(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def stateful_calculators(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Every stateful qparams calculator and every free-standing range calculator, sorted by module name."""
     modules = dict(model.named_modules())
     owners = [n for n, m in modules.items() if isinstance(m, QParamsCalculatorBase)]
@@ -47,17 +47,18 @@ def _stateful_calculators(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def _order_dependent(items: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+def order_dependent_items(items: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """The calculators whose merge depends on when it happens (``order_dependent``: moving averages)."""
     return [(name, module) for name, module in items if getattr(module, "order_dependent", False)]
 
 
-def _fingerprint(items: list[tuple[str, nn.Module]]) -> int:
+def quantizer_fingerprint(items: list[tuple[str, nn.Module]]) -> int:
+    """A 56-bit hash of the calculators' names and types: ranks holding different quantizer sets disagree on it."""
     text = "\n".join(f"{name}:{type(module).__qualname__}" for name, module in items)
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
 
 
-def _sync_items(
+def sync_items(
     items: list[tuple[str, nn.Module]], group: object | None, timeout: Timeout, *, only_order_dependent: bool = False
 ) -> int:
     """Merge ``items`` (already agreed on by every rank); returns how many had statistics on some rank.
@@ -67,10 +68,10 @@ def _sync_items(
     """
     if not items:
         return 0
-    dist = _dist()
+    dist = torch_distributed()
     flags = torch.tensor([int(bool(module.has_statistics)) for _, module in items], dtype=torch.int64)
-    flags = flags.to(_comm_device(group))
-    _run(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group, timeout=timeout, what="observed flags")
+    flags = flags.to(comm_device(group))
+    run_checked(dist.all_reduce, flags, op=dist.ReduceOp.MAX, group=group, timeout=timeout, what="observed flags")
     todo = [item for item, flag in zip(items, flags.cpu().tolist(), strict=True) if flag]
     with collective_timeout(timeout):
         for name, module in todo:
@@ -84,7 +85,7 @@ def _sync_items(
             except DistributedSyncError:
                 raise
             except RuntimeError as exc:
-                raise _collective_error(f"statistics of {name}", timeout, exc) from exc
+                raise collective_error(f"statistics of {name}", timeout, exc) from exc
     return len(todo)
 
 
@@ -130,9 +131,9 @@ def sync_statistics(
     """
     if not is_distributed():
         return 0
-    items = _stateful_calculators(model)
+    items = stateful_calculators(model)
     if only_order_dependent:
-        items = _order_dependent(items)
-    _exchange_status(group, timeout, fingerprint=_fingerprint(items), count=len(items))
+        items = order_dependent_items(items)
+    exchange_status(group, timeout, fingerprint=quantizer_fingerprint(items), count=len(items))
     _set_batch_counts(items, num_batches)
-    return _sync_items(items, group, timeout, only_order_dependent=only_order_dependent)
+    return sync_items(items, group, timeout, only_order_dependent=only_order_dependent)

@@ -13,14 +13,13 @@ from torch import nn
 from coreai_opt.api.distributed.process_group import (
     DistributedSyncError,
     Timeout,
-    _comm_device,
-    _dist,
-    _run,
     get_world_size,
     is_distributed,
     is_main_process,
+    run_checked,
 )
-from coreai_opt.api.distributed.status import _exchange_status
+from coreai_opt.api.distributed.status import exchange_status
+from coreai_opt.quantization.spec.collectives import comm_device, torch_distributed
 
 __all__ = ["check_synchronized", "run_on_main", "save_on_main"]
 
@@ -51,7 +50,7 @@ def run_on_main(
         except Exception as exc:  # reported to every rank below, then re-raised here
             error = exc
     try:
-        _exchange_status(group, timeout, error=error)
+        exchange_status(group, timeout, error=error)
     except DistributedSyncError:
         if error is not None:
             raise error from None
@@ -86,7 +85,7 @@ def check_synchronized(model: nn.Module, group: object | None = None, timeout: T
     """
     if not is_distributed():
         return 0
-    dist = _dist()
+    dist = torch_distributed()
     tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
     digests: dict[str, str] = {}
     total = hashlib.sha256()
@@ -96,10 +95,10 @@ def check_synchronized(model: nn.Module, group: object | None = None, timeout: T
         digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
         digests[name] = digest.hexdigest()
         total.update(digest.digest())
-    device = _comm_device(group)
+    device = comm_device(group)
     mine = torch.frombuffer(bytearray(total.digest()), dtype=torch.uint8).to(device)
     gathered = [torch.empty_like(mine) for _ in range(get_world_size(group))]
-    _run(dist.all_gather, gathered, mine, group=group, timeout=timeout, what="check_synchronized")
+    run_checked(dist.all_gather, gathered, mine, group=group, timeout=timeout, what="check_synchronized")
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return len(tensors)
     per_rank: list[dict[str, str] | None] = [None] * get_world_size(group)

@@ -6,7 +6,9 @@ Backends run ``acc_int32 = Σ q_in · q_w`` and add an int32 bias expressed in t
     s_b = s_in · s_w          (per-tensor, or per-channel along axis 0 when s_w is 1-D)
     y   = clamp(round(b / s_b), −2³¹, 2³¹ − 1) · s_b      (zero point 0)
 
-The module has no tensor state: both scales come from the input and weight quantizers at every call. Like
+The module has no tensor state: both scales come from the input and weight quantizers at every call (the graph
+passes the two ``FakeQuantize`` modules, whose :meth:`~FakeQuantize.get_qparams` buffers follow every commit, so
+the bias stays exact during QAT while the scales move; plain scale tensors are accepted too). Like
 ``FakeQuantize`` it has a ``fake_quant_enabled`` flag (a plain bool, so export traces no branch on a buffer);
 ``calibrate`` switches it off so the bias is not quantized with a placeholder or stale input scale. It uses the
 same ``coreai_opt::quantize_dequantize`` op (dtype ``"int32"``), whose ONNX translation is an INT32 tensor
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from coreai_opt.quantization.spec.dtypes import get_dtype_info
+from coreai_opt.quantization.spec.fake_quantize import FakeQuantize
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize
 
 __all__ = ["BiasFakeQuantize"]
@@ -51,17 +54,20 @@ class BiasFakeQuantize(nn.Module):
         """Name this quantizer after the bias it serves, for messages."""
         self.name = name
 
-    def forward(self, bias: Tensor, input_scale: Tensor, weight_scale: Tensor) -> Tensor:
+    def forward(self, bias: Tensor, input_scale: Tensor | FakeQuantize, weight_scale: Tensor | FakeQuantize) -> Tensor:
         """Return the int32-fake-quantized bias (``bias`` itself when fake quantization is off).
 
         Args:
             bias: 1-D bias of length ``C``.
-            input_scale: Per-tensor (0-d or one-element) scale of the layer input.
-            weight_scale: Per-tensor (0-d) or per-output-channel (``(C,)``) weight scale.
+            input_scale: Per-tensor (0-d or one-element) scale of the layer input, or the input's quantizer
+                (its current scale is read).
+            weight_scale: Per-tensor (0-d) or per-output-channel (``(C,)``) weight scale, or the weight's
+                quantizer.
 
         Raises:
             ValueError: a per-channel input scale, or a weight scale whose shape does not match the bias.
         """
+        input_scale, weight_scale = _scale_of(input_scale), _scale_of(weight_scale)
         if input_scale.numel() != 1:
             raise ValueError(
                 f"{self.name}: int32 bias needs a per-tensor input scale, got shape {tuple(input_scale.shape)}; "
@@ -81,3 +87,7 @@ class BiasFakeQuantize(nn.Module):
             b32, scale, zero_point, int(_INT32.quant_min), int(_INT32.quant_max), 0, 0, "int32"
         )
         return y if y.dtype == bias.dtype else y.to(bias.dtype)
+
+
+def _scale_of(source: Tensor | FakeQuantize) -> Tensor:
+    return source.get_qparams().scale if isinstance(source, FakeQuantize) else source

@@ -1,4 +1,8 @@
-"""The collectives behind every cross-rank merge of the spec layer (``all_reduce`` / ``sync_statistics``).
+"""The distributed primitives of coreai_opt and the collectives behind every cross-rank merge of the spec layer.
+
+The primitives (:func:`torch_distributed`, :func:`is_distributed`, :func:`get_rank`, :func:`get_world_size`,
+:func:`comm_device`, :func:`run_collective`) live here, in the lowest layer that uses them; the API package
+``coreai_opt.api.distributed`` builds its status exchange, barriers and write-once helpers on them.
 
 Every mergeable statistic follows one protocol, so that a rank that saw no data joins the same collectives
 as the others and every rank ends with identical bits:
@@ -24,12 +28,26 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import timedelta
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["MAX_SHAPE_RANK", "agree_shape", "all_gather", "all_reduce", "collective_timeout", "world_size"]
+__all__ = [
+    "MAX_SHAPE_RANK",
+    "agree_shape",
+    "all_gather",
+    "all_reduce",
+    "as_timedelta",
+    "collective_timeout",
+    "comm_device",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "run_collective",
+    "torch_distributed",
+]
 
 #: Largest tensor rank :func:`agree_shape` exchanges.
 MAX_SHAPE_RANK: int = 8
@@ -38,10 +56,56 @@ _UNKNOWN = -(2**62)  # loses every MAX reduction of the int64 shape vectors
 _TIMEOUT: ContextVar[timedelta | None] = ContextVar("coreai_opt_collective_timeout", default=None)
 
 
-def _dist() -> Any:
+def torch_distributed() -> ModuleType:
+    """``torch.distributed``, imported on first use (``import coreai_opt`` does not pay for it)."""
     import torch.distributed as dist
 
     return dist
+
+
+def is_distributed() -> bool:
+    """True when ``torch.distributed`` is available and a process group is initialised."""
+    dist = torch_distributed()
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def get_rank(group: object | None = None) -> int:
+    """Rank of this process in ``group`` (0 without a process group)."""
+    return int(torch_distributed().get_rank(group=group)) if is_distributed() else 0
+
+
+def get_world_size(group: object | None = None) -> int:
+    """Number of ranks in ``group`` (1 without a process group)."""
+    return int(torch_distributed().get_world_size(group=group)) if is_distributed() else 1
+
+
+def comm_device(group: object | None = None) -> torch.device:
+    """The device collectives of ``group`` run on: the current CUDA device for NCCL, else the CPU."""
+    backend = str(torch_distributed().get_backend(group))
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def as_timedelta(timeout: float | timedelta | None) -> timedelta | None:
+    """Seconds or a timedelta as a timedelta (None stays None)."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    return timedelta(seconds=float(timeout))
+
+
+def run_collective(collective: Callable[..., Any], /, *args: Any, timeout: float | timedelta | None,
+                   **kwargs: Any) -> None:
+    """Run the ``torch.distributed`` ``collective`` and wait at most ``timeout`` (None: blocking).
+
+    Raises:
+        RuntimeError: the collective failed or did not finish within ``timeout``.
+    """
+    limit = as_timedelta(timeout)
+    if limit is None:
+        collective(*args, **kwargs)
+    else:
+        collective(*args, async_op=True, **kwargs).wait(timeout=limit)
 
 
 @contextmanager
@@ -50,33 +114,11 @@ def collective_timeout(timeout: float | timedelta | None) -> Iterator[None]:
 
     ``None`` keeps the blocking behaviour (the process group timeout applies).
     """
-    if timeout is not None and not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
-    token = _TIMEOUT.set(timeout)
+    token = _TIMEOUT.set(as_timedelta(timeout))
     try:
         yield
     finally:
         _TIMEOUT.reset(token)
-
-
-def world_size(group: object | None = None) -> int:
-    """Number of ranks of ``group``."""
-    return int(_dist().get_world_size(group=group))
-
-
-def _device(group: object | None) -> torch.device:
-    backend = str(_dist().get_backend(group))
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _call(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    limit = _TIMEOUT.get()
-    if limit is None:
-        collective(*args, **kwargs)
-    else:
-        collective(*args, async_op=True, **kwargs).wait(timeout=limit)
 
 
 def all_reduce(tensor: Tensor, op: str, group: object | None = None) -> Tensor:
@@ -90,19 +132,19 @@ def all_reduce(tensor: Tensor, op: str, group: object | None = None) -> Tensor:
     Returns:
         A new tensor on ``tensor``'s device, identical on every rank.
     """
-    dist = _dist()
+    dist = torch_distributed()
     reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
-    buf = tensor.detach().clone().to(_device(group))
-    _call(dist.all_reduce, buf, op=reduce_op, group=group)
+    buf = tensor.detach().clone().to(comm_device(group))
+    run_collective(dist.all_reduce, buf, op=reduce_op, group=group, timeout=_TIMEOUT.get())
     return buf.to(tensor.device)
 
 
 def all_gather(tensor: Tensor, group: object | None = None) -> list[Tensor]:
     """Every rank's ``tensor``, in rank order (every rank passes the same shape and dtype)."""
-    dist = _dist()
-    mine = tensor.detach().contiguous().to(_device(group))
-    gathered = [torch.empty_like(mine) for _ in range(world_size(group))]
-    _call(dist.all_gather, gathered, mine, group=group)
+    dist = torch_distributed()
+    mine = tensor.detach().contiguous().to(comm_device(group))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group=group))]
+    run_collective(dist.all_gather, gathered, mine, group=group, timeout=_TIMEOUT.get())
     return [g.to(tensor.device) for g in gathered]
 
 

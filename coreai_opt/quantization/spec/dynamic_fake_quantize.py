@@ -13,7 +13,7 @@ qparams for inspection, identical to the op's for every tensor that is not all z
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -48,8 +48,8 @@ class DynamicFakeQuantize(FakeQuantize):
         ValueError: any other spec (the message names the field and the accepted value).
     """
 
-    #: Tells ``convert`` / ``export_onnx`` that this quantizer exports although its calculator is stateless.
-    exports_dynamic: bool = True
+    #: This quantizer exports although its calculator is stateless (``FakeQuantize.exports_dynamic``).
+    exports_dynamic: ClassVar[bool] = True
 
     def __init__(self, spec: QuantizationSpec) -> None:
         problems = []

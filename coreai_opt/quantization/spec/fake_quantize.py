@@ -27,7 +27,7 @@ input dtype (in ONNX this appears as Cast nodes around the Q/DQ pair).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -37,8 +37,9 @@ from coreai_opt.quantization.spec.qparams_calculator import (
     QParamsCalculatorBase,
     StatefulQParamsCalculatorBase,
 )
+from coreai_opt.quantization.spec.qparams_math import QParams
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize
-from coreai_opt.quantization.spec.registry import Registry
+from coreai_opt.quantization.spec.registry import Registry, RegistryFamily
 from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING, WeightRoundingBase
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def spec_summary(spec: dict[str, Any], other: dict[str, Any] | None = None) -> s
     return " ".join(parts)
 
 
-class FakeQuantize(nn.Module):
+class FakeQuantize(RegistryFamily, nn.Module):
     """Fake-quantize a tensor according to a :class:`~coreai_opt.quantization.spec.QuantizationSpec`.
 
     Base of the fake-quantize family (registry :data:`FAKE_QUANTIZE`, this class is ``"default"``).
@@ -93,6 +94,13 @@ class FakeQuantize(nn.Module):
     registry_key: str
     observer_enabled: Tensor
     fake_quant_enabled: Tensor
+    #: True for a quantizer whose qparams come from every tensor at run time and that still exports
+    #: (:class:`~coreai_opt.quantization.spec.dynamic_fake_quantize.DynamicFakeQuantize`, ONNX
+    #: ``DynamicQuantizeLinear``): it quantizes the input of one consumer, never a tensor's stored value.
+    exports_dynamic: ClassVar[bool] = False
+    #: Submodule path, relative to the quantizer, of the ``InputStatistics`` a data-aware weight rounding observes
+    #: (``insert_weight_statistics`` calls it on the layer input; see :attr:`rounds_with_data`).
+    INPUT_STATISTICS: ClassVar[str] = "rounding.statistics"
 
     def __init__(self, spec: QuantizationSpec) -> None:
         super().__init__()
@@ -113,31 +121,51 @@ class FakeQuantize(nn.Module):
         """Build the module from ``spec``."""
         return cls(spec)
 
-    # --- registry classmethods ---
-    @classmethod
-    def register(cls, key: str):  # noqa: ANN206
-        """Class decorator registering a fake-quantize class under ``key``."""
-        return FAKE_QUANTIZE.register(key)
+    # --- qparams and statistics ---
+    @property
+    def stateful(self) -> bool:
+        """True when the calculator caches qparams in buffers (False: computed from every tensor)."""
+        return isinstance(self.calculator, StatefulQParamsCalculatorBase)
 
-    @classmethod
-    def get_class(cls, key: str) -> type[FakeQuantize]:
-        """Return the fake-quantize class registered under ``key``."""
-        return FAKE_QUANTIZE.get_class(key)
+    @property
+    def has_qparams(self) -> bool:
+        """True once qparams were committed (or loaded from a calibrated ``state_dict``)."""
+        return self.calculator.has_qparams
 
-    @classmethod
-    def resolve(cls, data: str | type) -> type[FakeQuantize]:
-        """Resolve a key or class."""
-        return FAKE_QUANTIZE.resolve(data)
+    @property
+    def has_statistics(self) -> bool:
+        """True when statistics were observed since the last reset (always False when stateless)."""
+        return self.stateful and self.calculator.has_statistics
 
-    @classmethod
-    def list_registry_keys(cls) -> list[str]:
-        """Registered keys."""
-        return FAKE_QUANTIZE.list_registry_keys()
+    def get_qparams(self) -> QParams:
+        """The cached ``(scale, zero_point, minval)`` buffers of a stateful quantizer.
 
-    @classmethod
-    def list_registry_values(cls) -> list[type[FakeQuantize]]:
-        """Registered classes."""
-        return FAKE_QUANTIZE.list_registry_values()
+        The tensors are the current buffers; a later commit (calibration, every QAT step, weight rounding) may
+        update or replace them, so a reader that must follow the scales, like the derived int32 bias
+        ``s_b = s_in · s_w``, calls this at every use. Before the first commit they are placeholders
+        (``has_qparams`` is False).
+
+        Raises:
+            RuntimeError: the quantizer is stateless (its qparams exist only for the tensor being quantized).
+        """
+        if not self.stateful:
+            raise RuntimeError(
+                f"{self.name}: a dynamic (stateless) quantizer caches no qparams; they are computed from every "
+                "tensor it quantizes"
+            )
+        return QParams(self.calculator.scale, self.calculator.zero_point, self.calculator.minval)
+
+    def observe(self, x: Tensor) -> None:
+        """Accumulate statistics of ``x`` without changing the qparams (:meth:`commit` turns them into qparams).
+
+        With weight rounding, ``x`` (the weight) is also remembered for :meth:`commit` to round.
+        """
+        if not self.stateful:
+            return
+        self.calculator.observe(x)
+        if self.rounding is not None:
+            self._observed_weight = x.detach()
+        self._pending = True
 
     # --- configuration ---
     def set_name(self, name: str) -> None:
@@ -159,13 +187,6 @@ class FakeQuantize(nn.Module):
         """Pre-allocate the qparam buffers for tensors of ``tensor_shape`` (no-op for stateless calculators)."""
         if isinstance(self.calculator, StatefulQParamsCalculatorBase):
             self.calculator.initialize(tensor_shape)
-
-    def observe(self, x: Tensor) -> None:
-        """Accumulate statistics of ``x`` (with weight rounding: also remember ``x`` for :meth:`commit`)."""
-        self.calculator.observe(x)
-        if self.rounding is not None:
-            self._observed_weight = x.detach()
-        self._pending = True
 
     def commit(self) -> None:
         """Turn pending statistics into qparams (``calibrate`` calls this at the end).
@@ -191,6 +212,11 @@ class FakeQuantize(nn.Module):
             calculator.zero_point = rounding.zero_point.clone()
             calculator.minval = (float(self.spec.quant_min) - rounding.zero_point.float()) * rounding.scale
             calculator.committed.fill_(True)
+
+    @property
+    def rounds_with_data(self) -> bool:
+        """True when the weight rounding needs statistics of the layer input (GPTQ, weighted MSE)."""
+        return self.rounding is not None and self.rounding.statistics is not None
 
     @property
     def has_input_statistics(self) -> bool:

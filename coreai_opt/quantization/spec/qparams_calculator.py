@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from coreai_opt.errors import QParamsRangeError
 from coreai_opt.quantization.spec.qparams_math import QParams, compute_qparams
 from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
-from coreai_opt.quantization.spec.registry import Registry
+from coreai_opt.quantization.spec.registry import Registry, RegistryFamily
 
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
@@ -52,7 +52,7 @@ def _short(t: Tensor | None, limit: int = 4) -> str:
     return f"[{head}{', ...' if len(flat) > limit else ''}]" if t.dim() else head
 
 
-class QParamsCalculatorBase(nn.Module):
+class QParamsCalculatorBase(RegistryFamily, nn.Module):
     """Base of every qparams calculator (registry: :data:`QPARAMS_CALCULATORS`).
 
     Args:
@@ -78,32 +78,6 @@ class QParamsCalculatorBase(nn.Module):
     def from_spec(cls, spec: QuantizationSpec) -> QParamsCalculatorBase:
         """Build the calculator (and its range calculator) from ``spec``."""
         return cls(spec)
-
-    # --- registry classmethods (one registry for the whole family) ---
-    @classmethod
-    def register(cls, key: str):  # noqa: ANN206
-        """Class decorator registering a qparams calculator under ``key``."""
-        return QPARAMS_CALCULATORS.register(key)
-
-    @classmethod
-    def get_class(cls, key: str) -> type[QParamsCalculatorBase]:
-        """Return the qparams calculator registered under ``key``."""
-        return QPARAMS_CALCULATORS.get_class(key)
-
-    @classmethod
-    def resolve(cls, data: str | type) -> type[QParamsCalculatorBase]:
-        """Resolve a key or class."""
-        return QPARAMS_CALCULATORS.resolve(data)
-
-    @classmethod
-    def list_registry_keys(cls) -> list[str]:
-        """Registered keys."""
-        return QPARAMS_CALCULATORS.list_registry_keys()
-
-    @classmethod
-    def list_registry_values(cls) -> list[type[QParamsCalculatorBase]]:
-        """Registered classes."""
-        return QPARAMS_CALCULATORS.list_registry_values()
 
     # --- shared behaviour ---
     @property

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from coreai_opt.quantization.spec.collectives import agree_shape, all_reduce
 from coreai_opt.quantization.spec.granularity import Granularity, PerTensor
-from coreai_opt.quantization.spec.registry import Registry
+from coreai_opt.quantization.spec.registry import Registry, RegistryFamily
 
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
@@ -73,7 +73,7 @@ def finite_rows_min_max(rows: Tensor) -> tuple[Tensor, Tensor, bool]:
     return mn, mx, True
 
 
-class RangeCalculatorBase(nn.Module):
+class RangeCalculatorBase(RegistryFamily, nn.Module):
     """Base class of range calculators (registry: :data:`RANGE_CALCULATORS`).
 
     Args:
@@ -93,32 +93,6 @@ class RangeCalculatorBase(nn.Module):
     def from_spec(cls, spec: QuantizationSpec) -> RangeCalculatorBase:
         """Build the calculator from a spec (subclasses read the spec fields they need)."""
         return cls(spec.granularity)
-
-    # --- registry classmethods (the same registry for the whole family) ---
-    @classmethod
-    def register(cls, key: str):  # noqa: ANN206
-        """Class decorator registering a range calculator under ``key``."""
-        return RANGE_CALCULATORS.register(key)
-
-    @classmethod
-    def get_class(cls, key: str) -> type[RangeCalculatorBase]:
-        """Return the range calculator registered under ``key``."""
-        return RANGE_CALCULATORS.get_class(key)
-
-    @classmethod
-    def resolve(cls, data: str | type) -> type[RangeCalculatorBase]:
-        """Resolve a key or class."""
-        return RANGE_CALCULATORS.resolve(data)
-
-    @classmethod
-    def list_registry_keys(cls) -> list[str]:
-        """Registered keys."""
-        return RANGE_CALCULATORS.list_registry_keys()
-
-    @classmethod
-    def list_registry_values(cls) -> list[type[RangeCalculatorBase]]:
-        """Registered classes."""
-        return RANGE_CALCULATORS.list_registry_values()
 
     # --- contract ---
     def update(self, x: Tensor) -> None:

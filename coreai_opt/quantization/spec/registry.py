@@ -7,15 +7,19 @@ register their own subclasses the same way the built-ins are registered::
     class MyRange(RangeCalculatorBase): ...
 
     QuantizationSpec(dtype="int8", range_calculator="my_range")
+
+A family's base class inherits :class:`RegistryFamily`, which gives it (and every subclass) the registry
+classmethods ``register`` / ``get_class`` / ``resolve`` / ``list_registry_keys`` / ``list_registry_values``;
+building the family's ``Registry`` with that base attaches the registry to it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "RegistryFamily"]
 
 T = TypeVar("T", bound=type)
 
@@ -34,6 +38,8 @@ class Registry(Generic[T]):
         self.family = family
         self.base = base
         self._entries: dict[str, T] = {}
+        if issubclass(base, RegistryFamily):
+            base.family_registry = self
 
     def register(self, key: str) -> Callable[[T], T]:
         """Return a class decorator that registers the class under ``key``.
@@ -116,3 +122,38 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.family!r}, keys={self.list_registry_keys()})"
+
+
+class RegistryFamily:
+    """Mixin of a family's base class: the registry classmethods, all served by the family's one registry.
+
+    ``Registry(family, Base)`` sets ``Base.family_registry``; subclasses inherit it, so
+    ``MinMaxRangeCalculator.get_class("mse")`` and ``RangeCalculatorBase.get_class("mse")`` agree.
+    """
+
+    family_registry: ClassVar[Registry[Any]]
+
+    @classmethod
+    def register(cls, key: str) -> Callable[[type], type]:
+        """Class decorator registering a class of this family under ``key``."""
+        return cls.family_registry.register(key)
+
+    @classmethod
+    def get_class(cls, key: str) -> type:
+        """Return the class of this family registered under ``key``."""
+        return cls.family_registry.get_class(key)
+
+    @classmethod
+    def resolve(cls, data: str | type) -> type:
+        """Resolve a key or a class of this family."""
+        return cls.family_registry.resolve(data)
+
+    @classmethod
+    def list_registry_keys(cls) -> list[str]:
+        """The family's registered keys, sorted."""
+        return cls.family_registry.list_registry_keys()
+
+    @classmethod
+    def list_registry_values(cls) -> list[type]:
+        """The family's registered classes, in key order."""
+        return cls.family_registry.list_registry_values()

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from coreai_opt.quantization.spec.granularity import Granularity
 from coreai_opt.quantization.spec.input_statistics import InputStatistics
-from coreai_opt.quantization.spec.registry import Registry
+from coreai_opt.quantization.spec.registry import Registry, RegistryFamily
 from coreai_opt.quantization.spec.rounding_math import quantize_rows, rtn_qparams
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def weight_fingerprint(x: Tensor) -> Tensor:
     return flat.view(view).sum(dtype=torch.int64)
 
 
-class WeightRoundingBase(nn.Module):
+class WeightRoundingBase(RegistryFamily, nn.Module):
     """Base of the weight-rounding family (registry :data:`WEIGHT_ROUNDING`).
 
     Args:
@@ -186,22 +186,6 @@ class WeightRoundingBase(nn.Module):
 
     def extra_repr(self) -> str:  # noqa: D102
         return f"name={self.name!r}, rounded={self.has_result}, awaiting_data={bool(self.awaiting_data)}"
-
-    # --- registry classmethods ---
-    @classmethod
-    def register(cls, key: str):  # noqa: ANN206
-        """Class decorator registering a rounding algorithm under ``key``."""
-        return WEIGHT_ROUNDING.register(key)
-
-    @classmethod
-    def get_class(cls, key: str) -> type[WeightRoundingBase]:
-        """Return the algorithm registered under ``key``."""
-        return WEIGHT_ROUNDING.get_class(key)
-
-    @classmethod
-    def list_registry_keys(cls) -> list[str]:
-        """Registered keys."""
-        return WEIGHT_ROUNDING.list_registry_keys()
 
 
 WEIGHT_ROUNDING: Registry[type[WeightRoundingBase]] = Registry("weight rounding", WeightRoundingBase)

@@ -1,0 +1,111 @@
+"""Fingerprints of what ``prepare`` builds and ``export_onnx`` writes for every zoo model x preset.
+
+A fingerprint is the list of ``(quantizer module name, spec dict)`` of the prepared model (derived int32 bias
+quantizers listed with the spec ``"derived"``) and the sha256 of the exported ``model.graph.SerializeToString()``
+(plus, for diagnosis, the prepared graph's code and the sha256 of the converted model's eager output).
+``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with the code before the per-edge
+quantizer ownership (commit b977fa6; spec dicts stored once under ``"specs"`` and named by :func:`spec_key`);
+``test_zoo_fingerprints.py`` (slow) checks the current code still builds exactly the same quantizers and writes
+exactly the same ONNX graphs.
+
+Run ``python -m tests.fingerprints.zoo_fingerprints OUT.json`` to record the current code's fingerprints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from torch import nn
+
+import coreai_opt
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.onnx import export_onnx
+from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
+from tests.zoo import PRESETS, ZOO, build, preset_config
+
+__all__ = ["CASES", "fingerprint", "record", "spec_key"]
+
+JSON_PATH = Path(__file__).with_name("zoo_fingerprints.json")
+TRANSFORMERS = tuple(name for name, entry in ZOO.items() if not entry.is_cnn)
+
+#: (zoo model, preset, smoothing): every zoo model x every zoo preset, plus w8a8_dynamic (alone and after
+#: SmoothQuant with and without inserted Mul) and w8a8 after SmoothQuant on the transformer models.
+CASES: tuple[tuple[str, str, str], ...] = (
+    tuple((name, preset, "none") for name in ZOO for preset in PRESETS)
+    + tuple((name, "w8a8_dynamic", "none") for name in ZOO)
+    + tuple((name, preset, smooth) for name in TRANSFORMERS for preset in ("w8a8_dynamic", "w8a8")
+            for smooth in ("fold", "insert_mul"))
+)
+
+
+def spec_key(spec: dict[str, Any] | str) -> str:
+    """A spec dict's short sha256 (of its sorted JSON); ``"derived"`` (int32 bias) stays as it is."""
+    return spec if isinstance(spec, str) else hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _config(preset: str, model: nn.Module) -> QuantizerConfig:
+    if preset == "w8a8_dynamic":
+        return QuantizerConfig.presets.w8a8_dynamic()
+    return preset_config(preset, model)
+
+
+def _quantizers(prepared: nn.Module) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+    for name, module in prepared.named_modules():
+        if isinstance(module, FakeQuantize):
+            rows.append([name, module.spec.to_dict()])
+        elif isinstance(module, BiasFakeQuantize):
+            rows.append([name, "derived"])
+    return rows
+
+
+def fingerprint(name: str, preset: str, smooth: str, directory: Path) -> dict[str, Any]:
+    """Prepare, calibrate, convert and export one case; return its quantizers and ONNX graph sha256."""
+    model, example, batches = build(name)
+    capture = "auto"
+    if smooth != "none":
+        from coreai_opt.api.smooth_quant import smooth_quant
+
+        model = smooth_quant(model, [(b,) for b in batches], example, alpha=0.5,
+                             insert_mul=smooth == "insert_mul").model
+        capture = "export"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = coreai_opt.prepare(model, _config(preset, model), example, capture=capture)
+        quantizers = _quantizers(prepared)
+        if not quantizers:  # w8a8_dynamic on a model without linear layers: nothing to export
+            return {"quantizers": [], "prepared_code": prepared.code}
+        coreai_opt.calibrate(prepared, batches, progress=False)
+        converted = coreai_opt.convert(prepared)
+        path = export_onnx(converted, example, directory / f"{name}_{preset}_{smooth}.onnx")
+    graph = onnx.load(str(path)).graph.SerializeToString()
+    with torch.no_grad():
+        output = converted(*example)
+    return {"quantizers": quantizers, "onnx_graph_sha256": hashlib.sha256(graph).hexdigest(),
+            "prepared_code": prepared.code,
+            "eager_output_sha256": hashlib.sha256(output.detach().contiguous().numpy().tobytes()).hexdigest()}
+
+
+def record() -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``("model/preset/smoothing", fingerprint)`` for every case."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, preset, smooth in CASES:
+            yield f"{name}/{preset}/{smooth}", fingerprint(name, preset, smooth, Path(tmp))
+
+
+if __name__ == "__main__":
+    out: dict[str, Any] = {}
+    for key, value in record():
+        out[key] = value
+        print(key, value.get("onnx_graph_sha256", "-")[:12], len(value["quantizers"]), flush=True)
+        Path(sys.argv[1]).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
