@@ -182,11 +182,15 @@ def _batches(inputs: object) -> list[tuple[torch.Tensor, ...]]:
             batches.append(tuple(batch))
     if not batches:
         raise ValueError("inputs yielded no batches; pass at least one input tensor")
+    return batches
+
+
+def _refuse_empty(batches: list[tuple[torch.Tensor, ...]]) -> None:
+    """After the per-input checks (which name the input): a batch of 0 samples left by a model without specs."""
     for i, batch in enumerate(batches):
         if batch[0].dim() and batch[0].shape[0] == 0:
             raise ValueError(f"batch {i} has 0 samples (first input shape {tuple(batch[0].shape)}); verifying "
                              "nothing proves nothing: pass batches with at least one sample")
-    return batches
 
 
 def _output_steps(model: onnx.ModelProto) -> dict[str, OutputStep]:
@@ -312,6 +316,7 @@ def verify_onnx(
         raise TypeError(f"model must be the converted torch.nn.Module that was exported, got {type(model).__name__}")
     batches = _batches(inputs)
     check_verify_batches(model, batches)
+    _refuse_empty(batches)
     runner = open_runner(path, runtime, providers)
     input_names, output_names = runner.input_names, runner.output_names
     refs: list[list[np.ndarray]] = [[] for _ in output_names]
