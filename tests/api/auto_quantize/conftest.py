@@ -1,0 +1,41 @@
+import pytest
+import torch
+from torch import nn
+
+from coreai_opt.api.auto_quantize import KERNEL_KINDS, CostTable, KernelCost
+
+#: Hand-written cost lines (overhead µs, MACs per µs): static fastest, then dynamic, float, int16 slowest.
+LINES = {"float": (1.0, 100.0), "dynamic": (3.0, 300.0), "static": (2.0, 400.0), "int16": (4.0, 80.0)}
+
+
+def table(lines: dict[str, tuple[float, float]] = LINES, key: str = "test") -> CostTable:
+    return CostTable({k: KernelCost(*lines[k.split("_")[1]]) for k in KERNEL_KINDS}, key)
+
+
+class TinyBlock(nn.Module):
+    """LayerNorm (one 20x outlier channel) read by q and k, a gated residual, then fc1 -> GELU -> fc2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 16)
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(32, 8)
+        with torch.no_grad():
+            self.ln.weight[3] = 20.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        h = h + self.q(h) * torch.sigmoid(self.k(h))
+        return self.fc2(self.act(self.fc1(h)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = TinyBlock().eval()
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 6, 16, generator=generator) for _ in range(8)]
+    return model, batches
