@@ -10,6 +10,7 @@ of each shape with ``m_i`` multiply-accumulates is fitted by least squares::
 The table is cached as JSON in ``$COREAI_OPT_CACHE_DIR`` (default: the user cache directory,
 ``~/.cache/coreai_opt`` on Linux) under a key made of the CPU model, the onnxruntime version and the thread count,
 so it is measured once per machine; the same key always gives the same table, so searches are deterministic.
+The file name also carries :data:`FORMAT_VERSION`, so a change of the benchmark graphs or the fit re-measures.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ import numpy as np
 
 from coreai_opt.api.auto_quantize.cost_table import KERNEL_KINDS, CostTable, KernelCost
 
-__all__ = ["LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "load_or_measure", "machine_key", "measure_cost_table"]
+__all__ = ["FORMAT_VERSION", "LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "load_or_measure", "machine_key", "measure_cost_table"]
 
+#: Version of the measurement (graphs, shapes, fit); part of the cache file name.
+FORMAT_VERSION = 2
 #: ``(tokens, in_features, out_features)`` timed per linear kind.
-LINEAR_SHAPES: tuple[tuple[int, int, int], ...] = ((48, 128, 128), (48, 384, 384), (48, 384, 1536), (48, 1536, 384))
+LINEAR_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 32, 32), (48, 128, 128), (48, 384, 384), (48, 384, 1536),
+                                                   (48, 1536, 384))
 #: ``(channels_in, channels_out, side)`` of a 3x3 convolution timed per conv kind.
-CONV_SHAPES: tuple[tuple[int, int, int], ...] = ((16, 16, 16), (32, 32, 28), (64, 64, 28), (64, 128, 14))
+CONV_SHAPES: tuple[tuple[int, int, int], ...] = ((4, 4, 8), (16, 16, 16), (32, 32, 28), (64, 64, 28), (64, 128, 14))
 
 
 def _cpu_name() -> str:
@@ -184,14 +188,20 @@ def measure_cost_table(*, threads: int = 1, runs: int = 30,
         conv_shapes: ``(c_in, c_out, side)`` per 3x3 convolution measurement.
 
     Returns:
-        The fitted table, keyed by :func:`machine_key`.
+        The fitted table, keyed by :func:`machine_key`. An int16 kind runs the float kernel between 16-bit
+        ``Q → DQ`` steps, so its line is clamped to be nowhere below the float line (``overhead ≥`` the float
+        overhead, ``throughput ≤`` the float throughput): a noisy fit must not make it look cheaper than float.
     """
     rng = np.random.default_rng(0)
-    kernels = {}
+    kernels: dict[str, KernelCost] = {}
     for kind in KERNEL_KINDS:
         shapes = linear_shapes if kind.startswith("linear") else conv_shapes
         points = [_graph(kind, shape, rng) for shape in shapes]
         kernels[kind] = _fit([p[2] for p in points], [_time_us(p[0], p[1], threads, runs) for p in points])
+    for family in ("linear", "conv"):
+        fit, floor = kernels[f"{family}_int16"], kernels[f"{family}_float"]
+        kernels[f"{family}_int16"] = KernelCost(max(fit.overhead_us, floor.overhead_us),
+                                                min(fit.macs_per_us, floor.macs_per_us))
     return CostTable(kernels, machine_key(threads))
 
 
@@ -204,7 +214,7 @@ def load_or_measure(threads: int = 1, directory: Path | None = None) -> CostTabl
     """
     key = machine_key(threads)
     folder = directory or cache_dir()
-    path = folder / f"cost_table-{key}.json"
+    path = folder / f"cost_table-v{FORMAT_VERSION}-{key}.json"
     try:
         table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
         if table.key == key:

@@ -52,8 +52,8 @@ from coreai_opt.config import QuantizerConfig
 
 __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_MAX_ERROR", "AutoQuantizeResult", "auto_quantize"]
 
-#: Default bound on the relative squared output error (≈ mean cosine 0.9985 for normalised embeddings).
-DEFAULT_MAX_ERROR = 3e-3
+#: Default bound on the relative squared output error (≈ mean cosine 0.999 for normalised embeddings).
+DEFAULT_MAX_ERROR = 2e-3
 #: Candidates tried by default, in tie-break order.
 DEFAULT_CANDIDATES: tuple[str, ...] = ("static", "dynamic", "int16", "float")
 _MAX_ROUNDS = 4
@@ -195,7 +195,10 @@ def auto_quantize(
     table = cost_table if cost_table is not None else load_or_measure(threads=1)
     base, alphas, capture = _smooth(model, calib, example_inputs, example_kwargs) if smooth else (model, {}, "auto")
 
-    measured = [c for c in ("static", "dynamic", "int16") if c in candidates]
+    measured = [c for c in ("static", "dynamic", "int16") if c in candidates and _can_win(c, candidates, table)]
+    if not measured:
+        raise ValueError(f"no quantized candidate among {list(candidates)} is faster than float on any layer kind "
+                         f"according to the cost table {table.key!r}; add 'static' or 'dynamic' to candidates")
     errors: dict[str, list[float | None]] = {}
     ranges: dict[str, str] = {}
     units: list[Unit] = []
@@ -253,6 +256,17 @@ def auto_quantize(
     return AutoQuantizeResult(converted, config, base, capture, report)
 
 
+def _can_win(candidate: str, candidates: Sequence[str], table: CostTable) -> bool:
+    """False when float is allowed and the candidate's line is nowhere below float's (float has zero error)."""
+    if "float" not in candidates:
+        return True
+    for kind in CANDIDATES[candidate].layer_kinds:
+        line, fp = table.kernels[kernel_kind(candidate, kind)], table.kernels[kernel_kind("float", kind)]
+        if line.overhead_us < fp.overhead_us or line.macs_per_us > fp.macs_per_us:
+            return True
+    return False
+
+
 def _latency(options: Sequence[dict[str, Option]], choices: Sequence[str]) -> float:
     return sum(options[i][c].latency_us for i, c in enumerate(choices))
 
@@ -289,11 +303,20 @@ def _report(units: Sequence[Unit], choices: Sequence[str], options: Sequence[dic
         if all(c in o or "float" in o for o in options):
             reference[c] = sum((o[c] if c in o else o["float"]).latency_us for o in options)
     notes = []
+    skipped = [c for c in CANDIDATES if c != "float" and not any(c in o for o in options)]
+    if skipped:
+        notes.append(f"not measured: {', '.join(skipped)} (not allowed, or its cost-table line is nowhere below "
+                     "float's, so float, with zero error, is always at least as good)")
     if error > max_error:
         notes.append(f"max_error {max_error:.3e} was not reached: the best measured error is {error:.3e}; "
                      "raise max_error or allow more candidates")
-    floats = [r.layers for r in rows if r.choice == "float" and len(r.alternatives) > 1]
-    if floats:
-        notes.append(f"{len(floats)} unit(s) kept float: every quantized format's error did not fit the budget")
+    floats = [r for r in rows if r.choice == "float"]
+    fastest = [r for r in floats if all(r.latency_us <= lat for _, lat in r.alternatives.values())]
+    if fastest:
+        notes.append(f"kept float because float is the fastest kernel at their size: "
+                     f"{', '.join(r.layers[0] + ('…' if len(r.layers) > 1 else '') for r in fastest)}")
+    if len(floats) > len(fastest):
+        notes.append(f"{len(floats) - len(fastest)} unit(s) kept float: the error of every faster format did not "
+                     "fit the budget")
     return AutoQuantizeReport(tuple(rows), max_error, error, source, metric, _latency(options, choices), reference,
                               table.key, rounds, seconds, tuple(notes))

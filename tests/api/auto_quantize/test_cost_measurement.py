@@ -39,6 +39,9 @@ def test_measure_cost_table_prices_every_kind_with_positive_lines():
     t = cm.measure_cost_table(runs=3, **SMALL)
     assert set(t.kernels) == set(KERNEL_KINDS)
     assert all(c.overhead_us >= 0 and c.macs_per_us > 0 for c in t.kernels.values())
+    for family in ("linear", "conv"):  # 16-bit runs the float kernel plus Q/DQ: never cheaper than float
+        int16, fp = t.kernels[f"{family}_int16"], t.kernels[f"{family}_float"]
+        assert int16.overhead_us >= fp.overhead_us and int16.macs_per_us <= fp.macs_per_us
     assert t.key == cm.machine_key(1) and "ort" in t.key
 
 
@@ -50,16 +53,16 @@ def test_load_or_measure_measures_once_then_reads_the_cache(tmp_path, monkeypatc
     second = cm.load_or_measure(directory=tmp_path)
     assert first == second == fake and calls == [1]
     files = list(tmp_path.iterdir())
-    assert [f.name for f in files] == [f"cost_table-{cm.machine_key(1)}.json"]
+    assert [f.name for f in files] == [f"cost_table-v{cm.FORMAT_VERSION}-{cm.machine_key(1)}.json"]
     assert json.loads(files[0].read_text())["kernels"]["linear_float"]["macs_per_us"] == 1.0
 
 
 def test_load_or_measure_remeasures_a_corrupt_cache_file(tmp_path, monkeypatch):
     fake = cm.CostTable({k: KernelCost(2.0, 3.0) for k in KERNEL_KINDS}, cm.machine_key(1))
-    (tmp_path / f"cost_table-{cm.machine_key(1)}.json").write_text("{not json")
+    (tmp_path / f"cost_table-v{cm.FORMAT_VERSION}-{cm.machine_key(1)}.json").write_text("{not json")
     monkeypatch.setattr(cm, "measure_cost_table", lambda threads: fake)
     assert cm.load_or_measure(directory=tmp_path) == fake
-    assert json.loads((tmp_path / f"cost_table-{cm.machine_key(1)}.json").read_text())["key"] == fake.key
+    assert json.loads((tmp_path / f"cost_table-v{cm.FORMAT_VERSION}-{cm.machine_key(1)}.json").read_text())["key"] == fake.key
 
 
 def test_cache_dir_follows_the_environment_variable(tmp_path, monkeypatch):

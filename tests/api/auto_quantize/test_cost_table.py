@@ -15,7 +15,7 @@ def test_cost_table_round_trips_through_json():
     original = table(key="cpu-ort1.32-t1")
     again = CostTable.from_dict(json.loads(json.dumps(original.to_dict())))
     assert again == original
-    assert again.latency_us("conv_int16", 800) == original.latency_us("conv_int16", 800) == 4.0 + 10.0
+    assert again.latency_us("conv_int16", 900) == original.latency_us("conv_int16", 900) == 0.5 + 10.0
 
 
 def test_cost_table_names_missing_and_unknown_kinds():

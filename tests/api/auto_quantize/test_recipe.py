@@ -85,7 +85,7 @@ def test_auto_quantize_is_deterministic_same_choices_and_onnx_bytes_and_user_mod
     assert files[0].read_bytes() == files[1].read_bytes()
 
 
-@pytest.mark.parametrize("cheapest", ["dynamic", "float"])
+@pytest.mark.parametrize("cheapest", ["static", "dynamic"])
 def test_auto_quantize_cost_table_decides_the_format_under_a_loose_bound(tiny, cheapest):
     model, batches = tiny
     lines = {k: (1.0, 10.0) for k in LINES} | {cheapest: (0.0, 1e6)}
@@ -128,6 +128,13 @@ def test_auto_quantize_rejects_bad_arguments_with_the_fix(tiny, kwargs, message)
     model, batches = tiny
     with pytest.raises(ValueError, match=message):
         co.auto_quantize(model, batches, (batches[0],), cost_table=table(), progress=False, **kwargs)
+
+
+def test_auto_quantize_refuses_when_no_candidate_can_beat_float(tiny):
+    model, batches = tiny
+    slow = {"float": (0.0, 1e9), "static": (1.0, 10.0), "dynamic": (1.0, 10.0), "int16": (1.0, 10.0)}
+    with pytest.raises(ValueError, match="no quantized candidate .* is faster than float .* cost table 'test'"):
+        co.auto_quantize(model, batches, (batches[0],), cost_table=table(slow), progress=False)
 
 
 def test_auto_quantize_rejects_empty_calibration_data(tiny):
