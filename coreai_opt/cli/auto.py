@@ -78,6 +78,9 @@ def run_auto(model: nn.Module, batches: list[tuple[Any, ...]], max_error: float 
                                   progress=progress)
     except ValueError as exc:
         raise CliError(f"--auto: {one_line(exc)}") from None
+    if set(result.report.counts()) == {"float"}:
+        raise CliError("--auto kept every layer float (" + "; ".join(result.report.notes) + "); there is nothing to "
+                       "quantize at these layer sizes and this --max-error: raise --max-error or use --preset")
     return AutoOutcome(result.converted, result.model, result.report, result.config)
 
 

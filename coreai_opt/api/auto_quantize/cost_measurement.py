@@ -29,7 +29,8 @@ import numpy as np
 
 from coreai_opt.api.auto_quantize.cost_table import KERNEL_KINDS, CostTable, KernelCost
 
-__all__ = ["FORMAT_VERSION", "LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "load_or_measure", "machine_key", "measure_cost_table"]
+__all__ = ["FORMAT_VERSION", "LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "load_or_measure", "machine_key",
+           "measure_cost_table"]
 
 #: Version of the measurement (graphs, shapes, fit); part of the cache file name.
 FORMAT_VERSION = 2

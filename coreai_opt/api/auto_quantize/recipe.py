@@ -210,7 +210,10 @@ def auto_quantize(
             if not units:
                 units = find_units(prepared)
                 if not units:
-                    raise ValueError(f"{type(model).__name__} has no linear or convolution module to quantize")
+                    raise ValueError(
+                        f"{type(model).__name__} has no linear or convolution inside a named submodule: auto_quantize "
+                        "configures layers by module name (a model that is itself one nn.Linear / nn.Conv has none; "
+                        "wrap it, e.g. nn.Sequential(model))")
                 bar.total = len(units) * len(measured) + _MAX_ROUNDS
                 bar.refresh()
                 from coreai_opt.api.qat import enable_fake_quant

@@ -62,7 +62,8 @@ def test_load_or_measure_remeasures_a_corrupt_cache_file(tmp_path, monkeypatch):
     (tmp_path / f"cost_table-v{cm.FORMAT_VERSION}-{cm.machine_key(1)}.json").write_text("{not json")
     monkeypatch.setattr(cm, "measure_cost_table", lambda threads: fake)
     assert cm.load_or_measure(directory=tmp_path) == fake
-    assert json.loads((tmp_path / f"cost_table-v{cm.FORMAT_VERSION}-{cm.machine_key(1)}.json").read_text())["key"] == fake.key
+    cached = tmp_path / f"cost_table-v{cm.FORMAT_VERSION}-{cm.machine_key(1)}.json"
+    assert json.loads(cached.read_text())["key"] == fake.key
 
 
 def test_cache_dir_follows_the_environment_variable(tmp_path, monkeypatch):

@@ -137,6 +137,13 @@ def test_auto_quantize_refuses_when_no_candidate_can_beat_float(tiny):
         co.auto_quantize(model, batches, (batches[0],), cost_table=table(slow), progress=False)
 
 
+def test_auto_quantize_names_the_fix_for_a_model_that_is_one_layer():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"Linear has no linear or convolution inside a named submodule.*"
+                                         r"wrap it, e.g. nn.Sequential\(model\)"):
+        co.auto_quantize(torch.nn.Linear(4, 2).eval(), [x, x], (x,), cost_table=table(), smooth=False, progress=False)
+
+
 def test_auto_quantize_rejects_empty_calibration_data(tiny):
     model, batches = tiny
     with pytest.raises(ValueError, match="at least one calibration batch"):
