@@ -16,15 +16,8 @@ pytestmark = pytest.mark.slow
 NNCF_MEAN_COS = 0.9972  # NNCF transformer mode on the same sentences (benchmarks/RESULTS.md)
 
 
-def test_auto_quantize_minilm_defaults_beat_every_peer_within_ten_plain_pipelines(tmp_path) -> None:
-    reason = H.minilm_available()
-    if reason is not None:
-        pytest.fail(f"the MiniLM test needs the bench extra: {reason}")
-    warnings.filterwarnings("ignore")
-    model, tokenizer = H.load_minilm()
-    cal = H.encode(tokenizer, H.read_sentences("calibration"))
-    ev = H.encode(tokenizer, H.read_sentences("eval"))
-    reference = H.torch_embed(model, ev)
+def test_auto_quantize_minilm_defaults_beat_every_peer_within_ten_plain_pipelines(setup, tmp_path) -> None:
+    model, cal, ev, reference = setup
     example, batches = (cal.input_ids[:2], cal.attention_mask[:2]), cal.batches(16)
 
     start = time.perf_counter()
