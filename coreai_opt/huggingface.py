@@ -29,6 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from coreai_opt.error_boundary import public_api
+from coreai_opt.errors import CoreaiOptError
+
 __all__ = ["PretrainedModel", "MissingExtraError", "from_pretrained", "is_pretrained_directory", "IMAGE_SUFFIXES"]
 
 #: Image files read from a calibration folder.
@@ -36,7 +39,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 _TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(CoreaiOptError, ImportError):
     """An optional dependency is missing; the message names the extra to install."""
 
 
@@ -102,6 +105,7 @@ class PretrainedModel:
     image_shape: tuple[int, int, int]
     preprocessor: Any
 
+    @public_api
     def example_inputs(self, batch_size: int = 1) -> tuple[torch.Tensor, ...]:
         """Inputs of ``batch_size`` samples: a tokenized sentence (or zeros) / a constant grey image."""
         if self.modality == "image":
@@ -110,6 +114,7 @@ class PretrainedModel:
             return tuple(t.repeat(batch_size, 1) for t in self.text_inputs(["the quick brown fox"]))
         return self.random_inputs(batch_size, seed=0)
 
+    @public_api
     def text_inputs(self, lines: Sequence[str]) -> tuple[torch.Tensor, ...]:
         """Tokenize ``lines`` (one sample each), padded / truncated to :attr:`seq_len`.
 
@@ -129,6 +134,7 @@ class PretrainedModel:
                              f"forward() takes before the inputs it does produce")
         return tuple(encoded[name].to(torch.int64) for name in self.input_names)
 
+    @public_api
     def image_inputs(self, paths: Sequence[Path]) -> tuple[torch.Tensor]:
         """Preprocess image files with the directory's image processor (resize, normalize) into pixel values.
 
@@ -152,6 +158,7 @@ class PretrainedModel:
         pixels = self.preprocessor(images=images, return_tensors="pt")["pixel_values"]
         return (pixels.to(torch.float32),)
 
+    @public_api
     def random_inputs(self, count: int, *, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """``count`` random samples (fine for checking the export, meaningless for accuracy).
 
@@ -174,7 +181,10 @@ def _model_class(transformers: Any, config: Any, directory: Path) -> Any:
     names = list(getattr(config, "architectures", None) or [])
     if not names:
         return transformers.AutoModel
-    cls = getattr(transformers, names[0], None)
+    try:
+        cls = getattr(transformers, names[0], None)
+    except ModuleNotFoundError as exc:  # transformers' lazy import of the class failed underneath
+        raise MissingExtraError(_lazy_import_problem(names[0], exc)) from exc
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise ValueError(
             f"{directory}/config.json names the architecture {names[0]!r}, which is not built into transformers "
@@ -182,6 +192,25 @@ def _model_class(transformers: Any, config: Any, directory: Path) -> Any:
             "(trust_remote_code stays off). Load it yourself and pass a file.py:factory instead"
         )
     return cls
+
+
+def _lazy_import_problem(name: str, exc: ModuleNotFoundError) -> str:
+    """Name the real cause of a failed lazy import (transformers hides it behind a generic message)."""
+    cause = exc.__cause__
+    while cause is not None and cause.__cause__ is not None:
+        cause = cause.__cause__
+    if cause is not None and "torchvision::" in str(cause):
+        return (f"transformers could not import {name} because the installed torchvision does not match torch "
+                f"({cause}); install the torchvision build made for torch {_torch_version()}, or uninstall "
+                "torchvision (text models do not need it)")
+    detail = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+    return f"transformers could not import {name}{detail}; fix or reinstall the package named there"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _load_preprocessor(transformers: Any, directory: Path, modality: str) -> Any:
@@ -211,6 +240,7 @@ def _image_shape(config: Any, preprocessor: Any) -> tuple[int, int, int]:
     return channels, int(height), int(width)
 
 
+@public_api
 def from_pretrained(directory: str | Path, *, seq_len: int = 128) -> PretrainedModel:
     """Load a local ``save_pretrained`` directory (module docstring).
 

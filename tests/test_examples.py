@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
 TIMEOUT_SECONDS = 240  # each example is meant to finish in under two minutes; leave room for a loaded machine
 
 
@@ -95,8 +96,10 @@ def _readme_commands() -> list[str]:
 def _cli(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     argv = shlex.split(command)
     argv[0] = str(Path(sys.executable).with_name("coreai-opt"))
+    # tests/subprocess_site/sitecustomize.py declares torchvision's op schemas (see there), as tests/conftest.py does
+    site = os.pathsep.join([str(REPO / "tests" / "subprocess_site"), str(REPO)])
     return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_SECONDS * 2,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": site})
 
 
 def test_readme_quantizes_a_bert_directory_in_one_command(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coreai_opt.cli.errors import CliError, one_line
-from coreai_opt.cli.text_files import write_text_atomically
+from coreai_opt.onnx.save import write_text_atomically
 
 if TYPE_CHECKING:
     from torch import fx, nn

@@ -10,8 +10,10 @@ builds ``QGemm`` (:mod:`coreai_opt.onnx.linears_to_gemm`), dropping the reshapes
 (:mod:`coreai_opt.onnx.collapse_reshapes`) -> write quantized spatial means as ``GlobalAveragePool``
 (:mod:`coreai_opt.onnx.global_average_pool`) -> drop all-zero conv/gemm biases
 (:mod:`coreai_opt.onnx.drop_zero_biases`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
-QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep only the ``namespace`` entry of the
-exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.save`).
+QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep onnxruntime from fusing ops around a
+4-bit activation QuantizeLinear into kernels it has no 4-bit form of (:mod:`coreai_opt.onnx.guard_4bit_activations`)
+-> keep only the ``namespace`` entry of the exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write
+(:mod:`coreai_opt.onnx.save`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
 from coreai_opt.onnx.drop_zero_biases import drop_zero_biases
 from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
 from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
 from coreai_opt.onnx.gather_quantized_rows import gather_quantized_rows
 from coreai_opt.onnx.global_average_pool import reduce_mean_to_global_average_pool
+from coreai_opt.onnx.guard_4bit_activations import guard_4bit_activations
 from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
+from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
@@ -88,8 +93,17 @@ def _names(given: Sequence[str] | None, default: list[str], count: int, what: st
 def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     with torch.no_grad():
         outputs = model(*inputs)
-    leaves = torch.utils._pytree.tree_leaves(outputs)
-    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+    pytree = torch.utils._pytree
+    leaves = pytree.tree_flatten_with_path(outputs)[0]
+    others = [(pytree.keystr(path), value) for path, value in leaves if not isinstance(value, torch.Tensor)]
+    if others:
+        where, value = others[0]
+        raise TypeError(
+            f"output{where} of the model is {value!r} ({type(value).__name__}), and an ONNX graph returns only tensors"
+            f"{f' ({len(others)} such outputs)' if len(others) > 1 else ''}; return only tensors from forward "
+            "(drop the non-tensor output, or wrap the model in a module that does)"
+        )
+    if not leaves:
         raise TypeError(f"the model must return a tensor or a (nested) tuple of tensors, got {type(outputs).__name__}")
     return len(leaves)
 
@@ -185,6 +199,7 @@ def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None
         )
 
 
+@public_api
 def export_onnx(
     model: nn.Module,
     example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
@@ -236,12 +251,14 @@ def export_onnx(
     path = check_output_path(path)
     quantizers = converted_quantizers(model)
     inputs = _as_input_tuple(example_inputs)
+    check_export_inputs(model, inputs)
     _refuse_bfloat16(model, inputs)
     chosen_opset = select_opset(quantizer_uses(quantizers), opset, preferred=preferred_opset(model))
     in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
     num_outputs = _count_outputs(model, inputs)
     default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]
     out_names = _names(output_names, default_out, num_outputs, "output_names")
+    check_io_names(in_names, out_names)
 
     model_proto = _export_proto(model, inputs, chosen_opset, dynamic_batch, in_names, out_names)
     if dynamic_batch:
@@ -255,6 +272,7 @@ def export_onnx(
     reduce_mean_to_global_average_pool(model_proto)
     drop_zero_biases(model_proto)
     guard_float8_activations(model_proto)
+    guard_4bit_activations(model_proto)
     _strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)
     return path

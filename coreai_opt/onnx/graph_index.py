@@ -1,6 +1,6 @@
 """Graph look-ups and clean-up shared by the ONNX post-passes.
 
-Who reads a value, who produces it, a node's attributes, and removing what a rewrite left unused.
+Who reads a value, who produces it, a node's attributes, a fresh name, and removing what a rewrite left unused.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-__all__ = ["readers_of", "producers_of", "attributes_of", "remove_dead"]
+__all__ = ["readers_of", "producers_of", "attributes_of", "remove_dead", "unique_name"]
 
 
 def readers_of(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
@@ -45,3 +45,13 @@ def remove_dead(graph: onnx.GraphProto) -> None:
         kept = [t for t in graph.initializer if t.name in used]
         del graph.initializer[:]
         graph.initializer.extend(kept)
+
+
+def unique_name(base: str, taken: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``, ... : the first not in ``taken`` (which is updated)."""
+    candidate, i = base, 0
+    while candidate in taken:
+        i += 1
+        candidate = f"{base}_{i}"
+    taken.add(candidate)
+    return candidate

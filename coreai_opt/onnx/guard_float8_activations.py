@@ -21,6 +21,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from coreai_opt.onnx.graph_index import unique_name
+
 __all__ = ["guard_float8_activations"]
 
 # float8 and 4-bit integer activations: onnxruntime drops the Relu/Clip in front of these too (measured: int4
@@ -43,15 +45,6 @@ def _float8_quantize_inputs(graph: onnx.GraphProto) -> set[str]:
         and len(node.input) > 2
         and zero_point_types.get(node.input[2]) in _GUARDED_TYPES
     }
-
-
-def _unique(name: str, taken: set[str]) -> str:
-    candidate, i = name, 0
-    while candidate in taken:
-        i += 1
-        candidate = f"{name}_{i}"
-    taken.add(candidate)
-    return candidate
 
 
 def guard_float8_activations(model: onnx.ModelProto) -> int:
@@ -78,22 +71,23 @@ def guard_float8_activations(model: onnx.ModelProto) -> int:
         changes += 1
         x, out = node.input[0], node.output[0]
         if node.op_type == "Relu":
-            zero = _unique(f"{node.name or out}_zero", taken)
+            zero = unique_name(f"{node.name or out}_zero", taken)
             graph.initializer.append(numpy_helper.from_array(np.array(0.0, dtype=np.float32), zero))
-            new_nodes.append(helper.make_node("Max", [x, zero], [out], name=_unique(f"{node.name}_max", taken)))
+            new_nodes.append(helper.make_node("Max", [x, zero], [out], name=unique_name(f"{node.name}_max", taken)))
             continue
         bounds = [b for b in node.input[1:3]]
         lo = bounds[0] if bounds and bounds[0] else None
         hi = bounds[1] if len(bounds) > 1 and bounds[1] else None
         current = x
         if lo is not None:
-            lowered = out if hi is None else _unique(f"{out}_lower", taken)
-            new_nodes.append(helper.make_node("Max", [current, lo], [lowered], name=_unique(f"{node.name}_max", taken)))
+            lowered = out if hi is None else unique_name(f"{out}_lower", taken)
+            name = unique_name(f"{node.name}_max", taken)
+            new_nodes.append(helper.make_node("Max", [current, lo], [lowered], name=name))
             current = lowered
         if hi is not None:
-            new_nodes.append(helper.make_node("Min", [current, hi], [out], name=_unique(f"{node.name}_min", taken)))
+            new_nodes.append(helper.make_node("Min", [current, hi], [out], name=unique_name(f"{node.name}_min", taken)))
         if lo is None and hi is None:
-            new_nodes.append(helper.make_node("Identity", [x], [out], name=_unique(f"{node.name}_identity", taken)))
+            new_nodes.append(helper.make_node("Identity", [x], [out], name=unique_name(f"{node.name}_identity", taken)))
     del graph.node[:]
     graph.node.extend(new_nodes)
     return changes

@@ -66,7 +66,8 @@ def test_quantize_bert_directory_with_calibration_text_verifies(quantized_bert, 
         ("input_ids", "int64", [8, SEQ_LEN]), ("attention_mask", "int64", [8, SEQ_LEN]),
         ("token_type_ids", "int64", [8, SEQ_LEN])]
     assert report["calibration"] == f"{calib_text} (8 lines, {SEQ_LEN} tokens)"
-    assert report["integer_compute"] == {"QGemm": 14}  # every linear of the 2-layer BERT plus the pooler
+    # every linear of the 2-layer BERT plus the pooler, and both attention matmuls of each layer (SDPA decomposed)
+    assert report["integer_compute"] == {"QGemm": 14, "QLinearMatMul": 4}
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
@@ -123,3 +124,27 @@ def test_hf_only_options_on_a_factory_model_are_refused(capsys, tmp_path, calib_
     code, _, err = _run(capsys, "quantize", f"{tmp_path / 'm.py'}:make", "--calib-text", str(calib_text))
     assert code == 2
     assert "--calib-text works with a Hugging Face save_pretrained directory" in err
+
+
+def test_broken_torchvision_under_transformers_names_the_real_cause_and_the_fix(tmp_path):
+    """transformers hides a failed lazy import behind 'Could not import module X'; we name torchvision."""
+    import types
+
+    from coreai_opt.huggingface import MissingExtraError, _model_class
+
+    class LazyTransformers(types.ModuleType):
+        PreTrainedModel = type("PreTrainedModel", (), {})
+
+        def __getattr__(self, name):
+            try:
+                raise RuntimeError("operator torchvision::nms does not exist")
+            except RuntimeError as inner:
+                raise ModuleNotFoundError(f"Could not import module '{name}'") from inner
+
+    config = types.SimpleNamespace(architectures=["BertForSequenceClassification"])
+    with pytest.raises(MissingExtraError) as info:
+        _model_class(LazyTransformers("transformers"), config, tmp_path)
+    message = str(info.value)
+    assert "BertForSequenceClassification" in message
+    assert "torchvision does not match torch" in message and "operator torchvision::nms" in message
+    assert "uninstall torchvision" in message

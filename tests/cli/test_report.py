@@ -10,7 +10,6 @@ import onnx
 import pytest
 
 from coreai_opt.cli.main import main
-from coreai_opt.cli.text_files import write_text_atomically
 
 TRANSFORMER = textwrap.dedent(
     """
@@ -78,26 +77,3 @@ def test_report_replaces_a_planted_symlink_instead_of_writing_through_it(tuned_r
     assert (tuned_run / "victim.txt").read_text() == "precious\n"
     report = tuned_run / "out" / "tf.report.txt"
     assert not report.is_symlink() and report.read_text().startswith("model: ")
-
-
-def test_write_text_atomically_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
-    path = tmp_path / "r.txt"
-    path.write_text("old")
-
-    def fail(*args, **kwargs):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", fail)
-    with pytest.raises(OSError, match="disk full"):
-        write_text_atomically(path, "new")
-    assert path.read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.txt"]  # no temporary left behind
-
-
-def test_write_text_atomically_uses_the_umask_permissions(tmp_path):
-    previous = os.umask(0o022)
-    try:
-        path = write_text_atomically(tmp_path / "r.txt", "x")
-    finally:
-        os.umask(previous)
-    assert path.stat().st_mode & 0o777 == 0o644

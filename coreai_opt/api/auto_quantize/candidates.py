@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.presets import ACTIVATION_RANGES
 from coreai_opt.config.quantizer_config import OpConfig
+from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec import QuantizationSpec
 from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
 
@@ -55,6 +56,7 @@ CANDIDATES: dict[str, Candidate] = {
 }
 
 
+@public_api
 def kernel_kind(candidate: str, layer_kind: str) -> str:
     """The cost-table kernel kind of ``candidate`` on a ``layer_kind`` layer (``"linear_static"``)."""
     suffix = "static" if candidate == "static" else candidate
@@ -67,6 +69,7 @@ def _static_activation(dtype_preset: str, range_calculator: str) -> Quantization
     return base.model_copy(update={"range_calculator": range_name, "qparams_calculator": qparams})
 
 
+@public_api
 def candidate_op_config(candidate: str, range_calculator: str = "minmax") -> OpConfig | None:
     """The ``module_name`` entry that puts a layer in ``candidate`` (None: float).
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from coreai_opt.api.auto_quantize.cost_table import KERNEL_KINDS, CostTable, KernelCost
+from coreai_opt.error_boundary import public_api
 
 __all__ = ["FORMAT_VERSION", "LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "load_or_measure", "machine_key",
            "measure_cost_table"]
@@ -51,6 +52,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+@public_api
 def machine_key(threads: int = 1) -> str:
     """``<cpu model>-ort<version>-t<threads>`` with characters other than ``[A-Za-z0-9.]`` replaced by ``_``."""
     import onnxruntime
@@ -59,6 +61,7 @@ def machine_key(threads: int = 1) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "_", raw).strip("_")
 
 
+@public_api
 def cache_dir() -> Path:
     """``$COREAI_OPT_CACHE_DIR`` when set, else the user cache directory of coreai_opt."""
     env = os.environ.get("COREAI_OPT_CACHE_DIR")
@@ -177,6 +180,7 @@ def _fit(macs: Sequence[float], times: Sequence[float]) -> KernelCost:
     return KernelCost(float(overhead), float(1.0 / max(slope, 1e-12)))
 
 
+@public_api
 def measure_cost_table(*, threads: int = 1, runs: int = 30,
                        linear_shapes: Sequence[tuple[int, int, int]] = LINEAR_SHAPES,
                        conv_shapes: Sequence[tuple[int, int, int]] = CONV_SHAPES) -> CostTable:
@@ -206,6 +210,7 @@ def measure_cost_table(*, threads: int = 1, runs: int = 30,
     return CostTable(kernels, machine_key(threads))
 
 
+@public_api
 def load_or_measure(threads: int = 1, directory: Path | None = None) -> CostTable:
     """The cached table of this machine; measured (a few seconds) and written atomically when absent or unreadable.
 

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from coreai_opt.error_boundary import public_api
+
 __all__ = ["KERNEL_KINDS", "CostTable", "KernelCost"]
 
 #: Every kernel kind a table must price (module docstring).
@@ -48,6 +50,7 @@ class KernelCost:
         if not (self.overhead_us >= 0.0 and self.macs_per_us > 0.0):
             raise ValueError(f"KernelCost needs overhead_us >= 0 and macs_per_us > 0, got {self}")
 
+    @public_api
     def latency_us(self, macs: float) -> float:
         """``overhead_us + macs / macs_per_us``."""
         return self.overhead_us + float(macs) / self.macs_per_us
@@ -74,16 +77,19 @@ class CostTable:
             raise ValueError(f"CostTable {self.key!r}: missing kernel kinds {missing}, unknown kinds {unknown}; "
                              f"a table prices exactly {list(KERNEL_KINDS)}")
 
+    @public_api
     def latency_us(self, kind: str, macs: float) -> float:
         """Estimated latency in microseconds of one ``kind`` call doing ``macs`` multiply-accumulates."""
         return self.kernels[kind].latency_us(macs)
 
+    @public_api
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict; :meth:`from_dict` rebuilds an equal table."""
         return {"key": self.key, "kernels": {k: {"overhead_us": c.overhead_us, "macs_per_us": c.macs_per_us}
                                              for k, c in self.kernels.items()}}
 
     @classmethod
+    @public_api
     def from_dict(cls, data: Mapping[str, Any]) -> CostTable:
         """Build from :meth:`to_dict` output.
 

@@ -49,6 +49,7 @@ from coreai_opt.api.convert import convert
 from coreai_opt.api.prepare import prepare
 from coreai_opt.api.smooth_quant import smooth_quant
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.error_boundary import public_api
 
 __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_MAX_ERROR", "AutoQuantizeResult", "auto_quantize"]
 
@@ -142,6 +143,7 @@ def _check(max_error: float, candidates: Sequence[str], batches: list[Any]) -> N
         raise ValueError("auto_quantize needs at least one calibration batch")
 
 
+@public_api
 def auto_quantize(
     model: nn.Module,
     calibration_data: Iterable[Any],

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from coreai_opt.error_boundary import public_api
+
 __all__ = ["AutoQuantizeReport", "SearchRound", "UnitReport"]
 
 
@@ -75,6 +77,7 @@ class AutoQuantizeReport:
     seconds: float
     notes: tuple[str, ...] = ()
 
+    @public_api
     def counts(self) -> dict[str, int]:
         """Number of layers per chosen candidate."""
         out: dict[str, int] = {}
@@ -82,6 +85,7 @@ class AutoQuantizeReport:
             out[u.choice] = out.get(u.choice, 0) + len(u.layers)
         return out
 
+    @public_api
     def table(self) -> str:
         """Markdown: a summary line, the per-unit table and the notes."""
         names = sorted({c for u in self.units for c in u.alternatives})
@@ -107,6 +111,7 @@ class AutoQuantizeReport:
     def __str__(self) -> str:
         return self.table()
 
+    @public_api
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every field."""
         data = asdict(self)
@@ -117,6 +122,7 @@ class AutoQuantizeReport:
         data["counts"] = self.counts()
         return data
 
+    @public_api
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON text."""
         return json.dumps(self.to_dict(), indent=1)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from coreai_opt.error_boundary import public_api
+
 __all__ = ["Option", "greedy_assign"]
 
 
@@ -31,6 +33,7 @@ def _fastest(options: Mapping[str, Option], order: Sequence[str]) -> str:
     return min(options, key=lambda c: (options[c].latency_us, options[c].error, order.index(c)))
 
 
+@public_api
 def greedy_assign(units: Sequence[Mapping[str, Option]], budget: float, order: Sequence[str]) -> list[str]:
     """Choose one option per unit (module docstring).
 
