@@ -4,7 +4,7 @@
   stderr is a terminal (a bar redrawn with carriage returns is noise in a log file or a CI capture).
 * ``--quiet``: nothing on stdout; warnings and errors still go to stderr (the exit code tells the result).
 * ``--verbose``: also third-party warnings and log records that are filtered by default
-  (:mod:`coreai_opt.cli.third_party_noise`) and coreai_opt's own INFO log (e.g. which capture method was used).
+  (:mod:`coreai_opt.third_party_noise`) and coreai_opt's own INFO log (e.g. which capture method was used).
 """
 
 from __future__ import annotations

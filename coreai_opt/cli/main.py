@@ -23,7 +23,8 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from coreai_opt.cli import demo, inspect_onnx, quantize, third_party_noise
+from coreai_opt import third_party_noise
+from coreai_opt.cli import demo, inspect_onnx, quantize
 from coreai_opt.cli.console import Console
 from coreai_opt.cli.errors import EXIT_OK, EXIT_USAGE, one_line
 

@@ -19,7 +19,6 @@ QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep onnxrun
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt import third_party_noise
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
 from coreai_opt.onnx.drop_zero_biases import drop_zero_biases
@@ -140,30 +140,12 @@ def _strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
         node.metadata_props.extend(kept)
 
 
-class _DropTorchvisionNotice(logging.Filter):
-    """Drop the exporter's "torchvision is not installed. Skipping torchvision::nms" notices.
-
-    torch's ONNX registry logs one per torchvision op whenever torchvision is absent, which is always the
-    case for this project's CPU stack; they say nothing about the model being exported.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "torchvision is not installed" not in record.getMessage()
-
-
-_REGISTRY_LOGGER = logging.getLogger("torch.onnx._internal.exporter._registration")
-
-
 def _export_proto(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, dynamic_batch: bool,
     input_names: list[str], output_names: list[str],
 ) -> onnx.ModelProto:
-    notice_filter = _DropTorchvisionNotice()
-    _REGISTRY_LOGGER.addFilter(notice_filter)
-    try:
+    with third_party_noise.scoped():  # the exporter's known harmless warnings, for this call only
         program = _dynamo_export(model, inputs, opset, dynamic_batch, input_names, output_names)
-    finally:
-        _REGISTRY_LOGGER.removeFilter(notice_filter)
     return program.model_proto
 
 

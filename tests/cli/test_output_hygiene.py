@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from coreai_opt.cli import demo, third_party_noise
+from coreai_opt import third_party_noise
+from coreai_opt.cli import demo
 from coreai_opt.cli.main import main
 
 SCRIPT = Path(sys.executable).with_name("coreai-opt")

@@ -1,8 +1,10 @@
 """Narrow filters for the third-party warnings and log records that every run printed and that say nothing.
 
 Each entry names the library that emits it, the exact message and why it is harmless. Nothing else is filtered
-(no blanket ``simplefilter("ignore")``): a new or unknown warning still reaches the user. ``--verbose`` skips
-:func:`install` so that these messages show again.
+(no blanket ``simplefilter("ignore")``): a new or unknown warning still reaches the user. The CLI calls
+:func:`install` once (``--verbose`` skips it so that these messages show again); the library wraps its own calls into
+the exporter in :func:`scoped`, which restores the caller's warning filters and loggers afterwards, so Python-API
+users get the same quiet export without a process-wide change.
 
 =============================================  ==========================================  =========================
 message (start)                                emitted by                                  why it is harmless
@@ -26,8 +28,10 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["KNOWN_WARNINGS", "KNOWN_LOG_RECORDS", "install", "HarmlessRecords"]
+__all__ = ["KNOWN_WARNINGS", "KNOWN_LOG_RECORDS", "install", "scoped", "HarmlessRecords"]
 
 #: (category name, module-independent message regex) of harmless third-party warnings.
 KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
@@ -67,6 +71,30 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, HarmlessRecords) for f in logger.filters):
             logger.addFilter(HarmlessRecords(patterns))
+
+
+@contextmanager
+def scoped() -> Iterator[None]:
+    """Filter the known harmless warnings and log records inside the block only.
+
+    The caller's warning filters are restored on exit (``warnings.catch_warnings``) and each log filter added here
+    is removed again; a filter :func:`install` put there stays.
+    """
+    added: list[tuple[logging.Logger, HarmlessRecords]] = []
+    with warnings.catch_warnings():
+        for category, message in KNOWN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        for name, patterns in KNOWN_LOG_RECORDS.items():
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, HarmlessRecords) for f in logger.filters):
+                record_filter = HarmlessRecords(patterns)
+                logger.addFilter(record_filter)
+                added.append((logger, record_filter))
+        try:
+            yield
+        finally:
+            for logger, record_filter in added:
+                logger.removeFilter(record_filter)
 
 
 def _ignore_tqdm_iprogress() -> None:
