@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from coreai_opt.api.auto_quantize import cost_measurement
 from coreai_opt.cli.main import main
 from coreai_opt.config import QuantizerConfig
+from tests.api.auto_quantize.conftest import MEASURED, table
 from tests.cli.conftest import one_line_error
 from tests.cli.test_report import TRANSFORMER as REPORT_TRANSFORMER
 
@@ -16,12 +18,21 @@ from tests.cli.test_report import TRANSFORMER as REPORT_TRANSFORMER
 TRANSFORMER = REPORT_TRANSFORMER.replace("dim=32", "dim=256").replace("max_len=16", "max_len=32")
 
 
+def plant_cost_table(folder):
+    """Write the development machine's rounded table as this machine's cache file: the choices do not depend on
+    a measurement taken under load (measuring and caching are tested in tests/api/auto_quantize)."""
+    path = cost_measurement.cache_path(1, folder)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(table(MEASURED, key=cost_measurement.machine_key(1)).to_dict()))
+    return path
+
+
 @pytest.fixture(scope="module")
 def auto_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("auto")
     (root / "tf.py").write_text(TRANSFORMER)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COREAI_OPT_CACHE_DIR", str(root / "cache"))  # the cost table is measured into a fresh folder
+        mp.setenv("COREAI_OPT_CACHE_DIR", str(plant_cost_table(root / "cache").parent))
         code = main(["quantize", f"{root / 'tf.py'}:make", "--input", "tokens:int64:4,32:0-49", "-o",
                      str(root / "tf.onnx"), "--auto", "--max-error", "0.01", "--latency-runs", "0", "--quiet"])
     assert code == 0
@@ -37,7 +48,8 @@ def test_quantize_auto_writes_table_json_and_config_beside_the_onnx_file(auto_ru
     assert sum(data["counts"].values()) == len(layers) >= 4  # q/k/v/o, fc1, fc2, head of the one-block encoder
     config = QuantizerConfig.from_yaml((auto_run / "tf.auto.yaml").read_text())
     assert sorted(config.module_name) == sorted(name.replace(".", r"\.") for name in layers)
-    assert list((auto_run / "cache").glob("cost_table-v*.json"))  # measured once, cached
+    assert data["cost_table"] == cost_measurement.machine_key(1)  # the planted cache file was read, not re-measured
+    assert [p.name for p in (auto_run / "cache").iterdir()] == [cost_measurement.cache_path(1, auto_run).name]
 
 
 def test_quantize_auto_report_records_the_choices(auto_run):
@@ -51,7 +63,7 @@ def test_quantize_auto_refuses_to_write_a_float_model(capsys, tmp_path):
     (tmp_path / "tiny.py").write_text("import torch\n\ndef make():\n    return torch.nn.Sequential("
                                       "torch.nn.Linear(4, 2)).eval()\n")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("COREAI_OPT_CACHE_DIR", str(tmp_path / "cache"))
+        mp.setenv("COREAI_OPT_CACHE_DIR", str(plant_cost_table(tmp_path / "cache").parent))
         code = main(["quantize", f"{tmp_path / 'tiny.py'}:make", "--input-shape", "2,4", "--auto", "-o",
                      str(tmp_path / "tiny.onnx")])
     lines = capsys.readouterr().err.strip().splitlines()

@@ -30,8 +30,8 @@ import numpy as np
 from coreai_opt.api.auto_quantize.cost_table import KERNEL_KINDS, CostTable, KernelCost
 from coreai_opt.error_boundary import public_api
 
-__all__ = ["FORMAT_VERSION", "LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "load_or_measure", "machine_key",
-           "measure_cost_table"]
+__all__ = ["FORMAT_VERSION", "LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "cache_path", "load_or_measure",
+           "machine_key", "measure_cost_table"]
 
 #: Version of the measurement (graphs, shapes, fit); part of the cache file name.
 FORMAT_VERSION = 2
@@ -211,6 +211,17 @@ def measure_cost_table(*, threads: int = 1, runs: int = 30,
 
 
 @public_api
+def cache_path(threads: int = 1, directory: Path | None = None) -> Path:
+    """The cache file of this machine's table: ``<directory>/cost_table-v<FORMAT_VERSION>-<machine key>.json``.
+
+    Args:
+        threads: onnxruntime intra-op threads the table prices.
+        directory: Cache folder (default :func:`cache_dir`).
+    """
+    return (directory or cache_dir()) / f"cost_table-v{FORMAT_VERSION}-{machine_key(threads)}.json"
+
+
+@public_api
 def load_or_measure(threads: int = 1, directory: Path | None = None) -> CostTable:
     """The cached table of this machine; measured (a few seconds) and written atomically when absent or unreadable.
 
@@ -219,8 +230,8 @@ def load_or_measure(threads: int = 1, directory: Path | None = None) -> CostTabl
         directory: Cache folder (default :func:`cache_dir`).
     """
     key = machine_key(threads)
-    folder = directory or cache_dir()
-    path = folder / f"cost_table-v{FORMAT_VERSION}-{key}.json"
+    path = cache_path(threads, directory)
+    folder = path.parent
     try:
         table = CostTable.from_dict(json.loads(path.read_text(encoding="utf-8")))
         if table.key == key:

@@ -5,12 +5,7 @@ import torch
 import coreai_opt as co
 from coreai_opt.datasets import accuracy, load_digits_split, train_classifier
 from coreai_opt.reference_models import DigitsCNN
-from tests.api.auto_quantize.conftest import table
-
-#: Cost lines (overhead µs, MACs per µs) measured on the development machine (1 onnxruntime thread), rounded.
-MEASURED = {"linear_float": (1.0, 71_000.0), "linear_dynamic": (12.0, 470_000.0), "linear_static": (19.0, 375_000.0),
-            "linear_int16": (1.0, 30_000.0), "conv_float": (37.0, 83_000.0), "conv_static": (22.0, 245_000.0),
-            "conv_int16": (60.0, 48_000.0)}
+from tests.api.auto_quantize.conftest import MEASURED, table
 
 
 @pytest.fixture(scope="module")

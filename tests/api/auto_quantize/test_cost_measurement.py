@@ -54,6 +54,7 @@ def test_load_or_measure_measures_once_then_reads_the_cache(tmp_path, monkeypatc
     assert first == second == fake and calls == [1]
     files = list(tmp_path.iterdir())
     assert [f.name for f in files] == [f"cost_table-v{cm.FORMAT_VERSION}-{cm.machine_key(1)}.json"]
+    assert files == [cm.cache_path(1, tmp_path)]
     assert json.loads(files[0].read_text())["kernels"]["linear_float"]["macs_per_us"] == 1.0
 
 

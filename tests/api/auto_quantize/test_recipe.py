@@ -1,10 +1,12 @@
 import io
+import warnings
 
 import pytest
 import torch
 
 import coreai_opt as co
 from coreai_opt.api.auto_quantize.candidates import kernel_kind
+from coreai_opt.errors import UnexpectedError
 from tests.api.auto_quantize.conftest import LINES, table
 
 
@@ -163,3 +165,21 @@ def test_auto_quantize_progress_bar_counts_every_measurement(tiny, monkeypatch):
 
 def test_kernel_kind_names_the_cost_table_line():
     assert kernel_kind("static", "conv") == "conv_static" and kernel_kind("dynamic", "linear") == "linear_dynamic"
+
+
+@pytest.mark.parametrize("max_error", [1e-12, 1.0])  # every layer float / every layer quantized
+def test_auto_quantize_shows_no_warning_about_its_own_internal_configs(tiny, max_error):
+    model, batches = tiny
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        co.auto_quantize(model, batches, (batches[0],), cost_table=table(), max_error=max_error, smooth=False,
+                         progress=False)
+    assert [str(w.message) for w in caught] == []
+
+
+def test_auto_quantize_wraps_a_foreign_error_from_the_data_naming_itself(tiny):
+    model, batches = tiny
+    bad = [torch.randn(4, 6, 15)] * 4  # 15 features for a 16-wide LayerNorm: torch raises inside the model
+    with pytest.raises(UnexpectedError, match=r"^coreai_opt auto_quantize failed") as info:
+        co.auto_quantize(model, bad, (batches[0],), cost_table=table(), smooth=False, progress=False)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, RuntimeError)
