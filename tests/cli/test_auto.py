@@ -9,22 +9,13 @@ import pytest
 from coreai_opt.api.auto_quantize import cost_measurement
 from coreai_opt.cli.main import main
 from coreai_opt.config import QuantizerConfig
-from tests.api.auto_quantize.conftest import MEASURED, table
+from tests.api.auto_quantize.conftest import plant_cost_table
 from tests.cli.conftest import one_line_error
 from tests.cli.test_report import TRANSFORMER as REPORT_TRANSFORMER
 
 #: The report test's encoder, widened to 256 so that int8 kernels beat float on the measured cost table (at width
 #: 32 every layer is float's: the integer kernels' fixed cost is larger than the whole float matmul).
 TRANSFORMER = REPORT_TRANSFORMER.replace("dim=32", "dim=256").replace("max_len=16", "max_len=32")
-
-
-def plant_cost_table(folder):
-    """Write the development machine's rounded table as this machine's cache file: the choices do not depend on
-    a measurement taken under load (measuring and caching are tested in tests/api/auto_quantize)."""
-    path = cost_measurement.cache_path(1, folder)
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(table(MEASURED, key=cost_measurement.machine_key(1)).to_dict()))
-    return path
 
 
 @pytest.fixture(scope="module")

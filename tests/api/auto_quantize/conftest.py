@@ -1,8 +1,11 @@
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from coreai_opt.api.auto_quantize import KERNEL_KINDS, CostTable, KernelCost
+from coreai_opt.api.auto_quantize import cost_measurement as cm
 
 #: Hand-written cost lines (overhead µs, MACs per µs): static fastest, then dynamic; int16 beats float on overhead
 #: only (as on a runtime with 16-bit kernels), so every candidate is measured.
@@ -17,6 +20,15 @@ MEASURED = {"linear_float": (1.0, 71_000.0), "linear_dynamic": (12.0, 470_000.0)
 def table(lines: dict[str, tuple[float, float]] = LINES, key: str = "test") -> CostTable:
     """One line per format (``"static"``) or per kernel kind (``"conv_static"``) when given."""
     return CostTable({k: KernelCost(*lines.get(k, lines.get(k.split("_")[1]))) for k in KERNEL_KINDS}, key)
+
+
+def plant_cost_table(folder):
+    """Write the development machine's rounded table as this machine's cache file: the choices do not depend on
+    a measurement taken under load (measuring and caching are tested in tests/api/auto_quantize)."""
+    path = cm.cache_path(1, folder)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(table(MEASURED, key=cm.machine_key(1)).to_dict()))
+    return path
 
 
 class TinyBlock(nn.Module):
