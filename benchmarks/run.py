@@ -7,6 +7,7 @@ Usage::
     python -m benchmarks.run --only speed accuracy --output /tmp/R.md
     python -m benchmarks.run --quick --only accuracy --tiny --output /tmp/R.md   # smoke test (tests/)
     python -m benchmarks.run --only corpus --no-latency --output /tmp/R.md     # the 40-model corpus, untimed
+    python -m benchmarks.run --only auto --no-latency --output /tmp/R.md       # co.auto_quantize, accuracy only
 """
 
 from __future__ import annotations
@@ -24,7 +25,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import accuracy, corpus, fidelity, file_size, minilm, pipeline_cost, report, speed
+from benchmarks import (
+    accuracy,
+    auto_quantize_section,
+    corpus,
+    fidelity,
+    file_size,
+    minilm,
+    pipeline_cost,
+    report,
+    speed,
+)
 from benchmarks.results import SectionResult, attempt
 from benchmarks.settings import Settings
 from benchmarks.torchvision_ops import declare_torchvision_ops
@@ -46,6 +57,7 @@ SECTIONS: dict[str, Callable[[Settings], SectionResult]] = {
     "fidelity": fidelity.run,
     "minilm": _minilm_section,
     "corpus": corpus.run,
+    "auto": auto_quantize_section.run,
 }
 DEFAULT_OUTPUT = Path(__file__).with_name("RESULTS.md")
 
@@ -59,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write the markdown report")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep ONNX files here (default: a temp dir)")
     parser.add_argument("--no-latency", action="store_true",
-                        help="skip the latency measurements of the corpus section (e.g. on a shared machine)")
+                        help="skip the latency measurements of the corpus and auto sections (e.g. on a shared machine)")
     return parser.parse_args(argv)
 
 

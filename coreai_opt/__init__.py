@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "awq": "coreai_opt.api.awq",
     "search_calibration": "coreai_opt.api.calibration_search",
     "sensitivity": "coreai_opt.api.sensitivity",
+    "auto_quantize": "coreai_opt.api.auto_quantize",
     "keep_sensitive": "coreai_opt.api.sensitivity",
     "export_onnx": "coreai_opt.onnx",
     "verify_onnx": "coreai_opt.onnx",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from coreai_opt.cli.readme_snippets import SNIPPETS, readme_blocks, replace_readme_blocks
+from tests.api.auto_quantize.conftest import plant_cost_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -39,3 +40,15 @@ def test_readme_tuning_tools_example_runs(tmp_path):
     assert "| rank | layer | rel. squared error |" in out and "all layers quantized" in out
     assert re.search(r"\{'(minmax|percentile|mse|entropy)': \d+", out)
     assert "| input of | kind | foldable |" in out
+
+
+def test_readme_auto_quantize_example_runs(tmp_path):
+    plant_cost_table(tmp_path / "cache")  # the development machine's table: a measurement under load is noise
+    section = README[README.index("### auto_quantize"):]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                              "COREAI_OPT_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("auto_quantize: measured error ") and "| `features.0` | conv |" in result.stdout
+    assert "module_name:" in result.stdout and (tmp_path / "digits.auto.onnx").stat().st_size > 0

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreai_opt.cli import input_specs, measurements, tuning
+from coreai_opt.cli import auto, input_specs, measurements, tuning
 from coreai_opt.cli.calibration_data import build_samples, check_data_sources, check_hf_only_options
 from coreai_opt.cli.console import Console
 from coreai_opt.cli.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, CliError, one_line
@@ -98,6 +98,10 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argpa
                       "(minmax, percentile, mse, entropy) per quantizer by its output error")
     tune.add_argument("--keep-float-top", type=int, metavar="K", help="keep the K layers whose quantization hurts "
                       "the output most in float (measured by per-layer sensitivity)")
+    tune.add_argument("--auto", action="store_true", help="choose static / dynamic int8, int16 or float per layer by "
+                      "measured error and onnxruntime latency (co.auto_quantize; writes OUTPUT.auto.txt/.json/.yaml)")
+    tune.add_argument("--max-error", type=auto.parse_max_error, metavar="X", help="with --auto: the largest "
+                      "relative squared output error on held-out calibration batches (default 0.003)")
     return parser
 
 
@@ -117,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
     console: Console = getattr(args, "console", None) or Console()
     _check_numbers(args)
+    auto.check_auto_options(args)
     config, config_name = load_config(args.preset, args.config)
+    config_name = "auto" if args.auto else config_name
     check_data_sources(args)
     output = args.output or Path(f"{default_model_name(args.model)}.{config_name}.onnx")
     check_output_path(output)
@@ -143,15 +149,25 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_float_top:
         config, kept = tuning.keep_float_top(model, config, batches, args.keep_float_top, capture, progress)
         tuning_notes["kept float (most sensitive first)"] = kept
-    prepared = co.prepare(model, config, batches[0], capture=capture)
-    opset = check_opset_for_model(args.opset, prepared, console)
-    if calibration.startswith("random"):
-        console.warn(f"no calibration data: calibrating on {calibration}; the export is checked but the accuracy "
-                     "of this model means nothing")
-    co.calibrate(prepared, batches, progress=progress)
-    if args.search_calibration:
-        tuning_notes["range calculators chosen"] = tuning.search(prepared, batches)
-    converted = co.convert(prepared)
+    random_warning = (f"no calibration data: calibrating on {calibration}; the export is checked but the accuracy "
+                      "of this model means nothing") if calibration.startswith("random") else None
+    outcome = None
+    if args.auto:
+        if random_warning:
+            console.warn(random_warning)
+        outcome = auto.run_auto(model, batches, args.max_error, progress)
+        converted, model = outcome.converted, outcome.model
+        opset = check_opset_for_model(args.opset, converted, console)
+        tuning_notes["auto (layers per format)"] = outcome.report.counts()
+    else:
+        prepared = co.prepare(model, config, batches[0], capture=capture)
+        opset = check_opset_for_model(args.opset, prepared, console)
+        if random_warning:
+            console.warn(random_warning)
+        co.calibrate(prepared, batches, progress=progress)
+        if args.search_calibration:
+            tuning_notes["range calculators chosen"] = tuning.search(prepared, batches)
+        converted = co.convert(prepared)
 
     output.parent.mkdir(parents=True, exist_ok=True)
     output = Path(co.export_onnx(converted, batches[0], output, opset=opset, dynamic_batch=static_batch is None,
@@ -178,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     console.info(f"layers left float: {len(report.float_layers)} (listed in the report)")
     console.info(f"wrote {output}")
     console.info(f"wrote {text_path} and {json_path}")
+    if outcome is not None:
+        console.info(f"wrote {', '.join(str(p) for p in auto.write_auto_files(output, outcome))}")
     if not verification.ok:
         console.warn("verification FAILED: onnxruntime disagrees with the eager quantized model")
         return EXIT_VERIFICATION_FAILED

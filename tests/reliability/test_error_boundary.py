@@ -30,7 +30,8 @@ from .conftest import Pipeline, cnn_batches
 
 PUBLIC_MODULES = ("coreai_opt", "coreai_opt.api", "coreai_opt.onnx", "coreai_opt.config", "coreai_opt.config.presets",
                   # the modules coreai_opt re-exports functions from: their results' classes are public too
-                  "coreai_opt.api.smooth_quant", "coreai_opt.api.sensitivity", "coreai_opt.api.calibration_search")
+                  "coreai_opt.api.smooth_quant", "coreai_opt.api.sensitivity", "coreai_opt.api.calibration_search",
+                  "coreai_opt.api.auto_quantize")
 EXTRA_PUBLIC = ("coreai_opt.onnx.save.write_bytes_atomically", "coreai_opt.onnx.save.write_text_atomically")
 
 
@@ -73,7 +74,8 @@ def test_the_enumeration_finds_the_public_api() -> None:
     for expected in ("coreai_opt.calibrate", "coreai_opt.export_onnx", "coreai_opt.verify_onnx", "coreai_opt.prepare",
                      "coreai_opt.search_calibration", "QuantizerConfig.from_yaml", "QuantizerConfig.set_module_type",
                      "QuantizerConfig.Presets.w8a8", "coreai_opt.config.normalize_module_type",
-                     "QuantizationSummary.counts", "SensitivityReport.most_sensitive", "SmoothQuantResult.table"):
+                     "QuantizationSummary.counts", "SensitivityReport.most_sensitive", "SmoothQuantResult.table",
+                     "coreai_opt.auto_quantize", "AutoQuantizeReport.table", "CostTable.from_dict"):
         assert expected in names, expected
     assert len(names) >= 60
 

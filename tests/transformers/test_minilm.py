@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import onnx
 import pytest
 import torch
@@ -14,18 +12,6 @@ from benchmarks.minilm import w8a8_dynamic_config
 from coreai_opt.api.smooth_quant import smooth_quant
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def setup():  # noqa: ANN201
-    reason = H.minilm_available()
-    if reason is not None:
-        pytest.fail(f"the MiniLM test needs the bench extra: {reason}")
-    warnings.filterwarnings("ignore")
-    model, tokenizer = H.load_minilm()
-    cal = H.encode(tokenizer, H.read_sentences("calibration"))
-    ev = H.encode(tokenizer, H.read_sentences("eval"))
-    return model, cal, ev, H.torch_embed(model, ev)
 
 
 def test_text_sets_are_disjoint() -> None:

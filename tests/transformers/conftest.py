@@ -1,0 +1,22 @@
+"""The real all-MiniLM-L6-v2 with its calibration and held-out sentences, loaded once for the slow MiniLM tests."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from benchmarks import minilm_harness as H
+
+
+@pytest.fixture(scope="session")
+def setup():  # noqa: ANN201
+    """(model, calibration encodings, held-out encodings, float reference embeddings of the held-out ones)."""
+    reason = H.minilm_available()
+    if reason is not None:
+        pytest.fail(f"the MiniLM test needs the bench extra: {reason}")
+    warnings.filterwarnings("ignore")
+    model, tokenizer = H.load_minilm()
+    cal = H.encode(tokenizer, H.read_sentences("calibration"))
+    ev = H.encode(tokenizer, H.read_sentences("eval"))
+    return model, cal, ev, H.torch_embed(model, ev)
