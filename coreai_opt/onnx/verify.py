@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
 from torch import nn
 
 from coreai_opt.onnx.fusion_report import FusionReport, fusion_report
-from coreai_opt.onnx.graph_index import producers_of
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.rewrite.qdq import QdqView
 
 __all__ = [
     "VerificationReport",
@@ -169,20 +169,18 @@ def _output_steps(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, int]]:
     A per-channel scale is only used when the DequantizeLinear produces the output directly (a reshape would
     move its axis).
     """
-    graph = model.graph
-    producer = producers_of(graph)
-    initializers = {t.name: t for t in graph.initializer}
+    graph = OnnxGraph(model)
     steps: dict[str, tuple[np.ndarray, int]] = {}
-    for output in graph.output:
-        node, moved = producer.get(output.name), False
+    for output in model.graph.output:
+        node, moved = graph.producer(output.name), False
         while node is not None and node.op_type in _VALUE_PRESERVING:
-            node, moved = producer.get(node.input[0]), True
-        if node is None or node.op_type != "DequantizeLinear" or node.input[1] not in initializers:
+            node, moved = graph.producer(node.input[0]), True
+        view = QdqView.of(node, graph)
+        if view is None or not view.is_dequantize or view.scale is None:
             continue
-        scale = numpy_helper.to_array(initializers[node.input[1]]).astype(np.float64)
-        axis = next((int(a.i) for a in node.attribute if a.name == "axis"), 1)
+        scale = view.scale.astype(np.float64)
         if scale.size == 1 or not moved:
-            steps[output.name] = (scale, axis)
+            steps[output.name] = (scale, view.axis)
     return steps
 
 
