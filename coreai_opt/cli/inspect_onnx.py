@@ -2,7 +2,8 @@
 
 Prints three counts read from the file (QuantizeLinear / DequantizeLinear nodes by zero-point dtype, quantized
 initializers by dtype, and all ops by type), then onnxruntime's fusion report (``coreai_opt.fusion_report``):
-which quantized patterns its optimizer turned into integer kernels.
+which quantized patterns its optimizer turned into integer kernels, followed by what export_onnx's rewrite rules
+did and the near misses they recorded (also shown with --no-fusion).
 """
 
 from __future__ import annotations
@@ -80,16 +81,25 @@ def run(args: argparse.Namespace) -> int:
         0.
 
     Raises:
-        CliError: Missing or unreadable model file.
+        CliError: Missing or unreadable model file, or an unreadable rewrite report in it.
     """
+    from coreai_opt.onnx.rewrite.report import read_report
+
     model = load_onnx(args.model)
+    try:
+        rewrites = read_report(model)
+    except ValueError as exc:
+        raise CliError(f"{args.model}: {one_line(exc)}") from None
     print(f"{args.model}")
     print(format_summary(summarize_qdq(model)))
     if not args.no_fusion:
         import coreai_opt as co
 
         print()
-        print(co.fusion_report(args.model))
+        print(co.fusion_report(args.model))  # ends with the rewrite report
+    elif rewrites is not None:
+        print()
+        print(rewrites)
     return EXIT_OK
 
 
