@@ -46,7 +46,7 @@ def _weight_check(view: QdqView, graph: OnnxGraph) -> tuple[int, int] | str:
     if view.block_size:
         return "weight is per-block"
     if view.quant_type not in _EIGHT_BIT:
-        return f"weight is {view.type_name} (QGemm takes 8-bit weights)"
+        return f"weight is {view.type_name} (QGemm takes int8 / uint8 weights)"
     if weight is None or len(weight.dims) != 2:
         return "weight is not a 2-D initializer"
     if view.scale is None or not _is_8bit(view.zero_point):
@@ -61,8 +61,10 @@ def _activation_check(view: QdqView) -> str | None:
     """Why the activation's ``DequantizeLinear`` is not 8-bit per-tensor with constant qparams, None if it is."""
     if view.block_size or view.scale is None or view.scale.size != 1:
         return "input is not quantized per-tensor"
-    if not _is_8bit(view.zero_point) or view.zero_point.size != 1:
-        return f"input is {view.type_name} without a constant 8-bit zero point (QGemm takes 8-bit inputs)"
+    if view.zero_point is None or view.zero_point.size != 1:
+        return "input has no constant per-tensor zero point"
+    if not _is_8bit(view.zero_point):
+        return f"input is {view.type_name} (QGemm takes int8 / uint8 inputs)"
     return None
 
 
@@ -94,7 +96,7 @@ class LinearsToGemm(Rule):
     def rewrite(self, match: LinearSite, graph: OnnxGraph) -> None:
         """Insert ``Reshape -> DQ -> Gemm [-> Q] -> Reshape`` before the MatMul; drop MatMul, Add and Q."""
         site = match
-        prefix = f"{match.node.name or match.node.output[0]}_gemm"
+        prefix = f"{site.node.name or site.node.output[0]}_gemm"
         rows = site.rows(graph)
         flat, new = flattened_input(site, graph, prefix, rows)
         flat_dq, gemm_out = graph.unique_name(f"{prefix}_x_2d_dq"), graph.unique_name(f"{prefix}_y_2d")

@@ -10,7 +10,8 @@ its integer ``QLinearGlobalAveragePool``. The rewrite::
 
 ``GlobalAveragePool`` of ``[N, C, H, W]`` is the mean over ``H, W`` with shape ``[N, C, 1, 1]``; ``Flatten(axis=1)``
 moves the quantized ``[N, C, 1, 1]`` to ``[N, C]``. Only 4-D inputs (rank from the graph's shape annotations)
-whose only reader is a ``QuantizeLinear`` are rewritten; other means of a dequantized tensor are near misses.
+whose only reader is a ``QuantizeLinear`` are rewritten; other means of a dequantized 4-D (or unknown-rank) tensor
+are near misses.
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ class MeansToGlobalAveragePool(Rule):
     anchors = frozenset({"ReduceMean"})
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
-        """A ``ReduceMean`` of a dequantized tensor."""
+        """A ``ReduceMean`` of a dequantized tensor that is (or may be) 4-D."""
         producer = graph.producer(node.input[0])
-        if producer is None or producer.op_type != "DequantizeLinear":
-            return None
         rank = graph.rank(node.input[0])
-        if rank != 4:
-            return Fail(f"input rank is {rank if rank is not None else 'unknown'}, not 4")
+        if producer is None or producer.op_type != "DequantizeLinear" or rank not in (4, None):
+            return None  # e.g. a transformer's mean over the sequence: not a spatial pool
+        if rank is None:
+            return Fail("input rank is unknown (no shape recorded for it)")
         users = graph.readers(node.output[0])
         if node.output[0] in graph.outputs or len(users) != 1 or users[0].op_type != "QuantizeLinear":
             return Fail("the mean is not read by a single QuantizeLinear")

@@ -171,7 +171,7 @@ def test_16_bit_and_blocked_weights_are_left_alone_with_their_reasons() -> None:
     _replace_initializer(model, "w_q", weight.astype(np.int16))  # a 16-bit weight: not a QGemm operand
     _replace_initializer(model, "w_zp", np.zeros(N, np.int16))
     before = model.SerializeToString()
-    assert apply_rule(model, RULE) == (0, ["weight is int16 (QGemm takes 8-bit weights)"])
+    assert apply_rule(model, RULE) == (0, ["weight is int16 (QGemm takes int8 / uint8 weights)"])
     assert model.SerializeToString() == before
 
     blocked = _linear_graph(["b", 4], bias=True, output_q=True)
