@@ -8,7 +8,9 @@ constant before or after dequantizing gives the same floats (DequantizeLinear is
 (``axis=a`` -> ``1 - a``), and drops the ``Transpose``.
 
 Only 2-D constant weights whose ``DequantizeLinear`` output is read by that single ``Transpose(perm=[1, 0])`` are
-rewritten; a blocked scale or zero point shared with other weights gets a transposed copy of its own.
+rewritten; a blocked scale or zero point shared with other nodes (e.g. the identical layers of an
+``nn.TransformerEncoder``, whose equal scales the exporter stores once) gets a transposed copy per weight. Every
+weight is matched before any is rewritten, so "shared" means shared in the exported graph.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = ["FoldWeightTransposes"]
 class _Site(Match):
     transpose: onnx.NodeProto
     view: QdqView
+    shared: frozenset[str]  # blocked scale / zero point read by other nodes too: transposed into a copy
 
 
 class FoldWeightTransposes(Rule):
@@ -39,6 +42,7 @@ class FoldWeightTransposes(Rule):
     anchors = frozenset({"DequantizeLinear"})
     #: As before the rule framework (the export stays byte-identical): what it leaves unused stays in the file.
     removes_dead = False
+    matches_first = True
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
         """A constant weight's ``DequantizeLinear`` whose only reader is a ``Transpose``."""
@@ -57,7 +61,8 @@ class FoldWeightTransposes(Rule):
             return Fail("scale or zero point is not a constant initializer")
         if len(graph.readers(view.data)) != 1:
             return Fail("the stored weight has other readers (it cannot be transposed for one of them)")
-        return _Site(node, transpose, view)
+        shared = frozenset(name for name in node.input[1:] if name and len(graph.readers(name)) > 1)
+        return _Site(node, transpose, view, shared)
 
     def rewrite(self, match: _Site, graph: OnnxGraph) -> None:
         """Transpose the stored weight (and blocked qparams), flip the axis, drop the ``Transpose``."""
@@ -68,9 +73,9 @@ class FoldWeightTransposes(Rule):
             value = graph.constant(name)
             if not view.block_size or value.ndim != 2:
                 continue
-            if len(graph.readers(name)) == 1:
+            if name not in match.shared:
                 graph.set_initializer(name, np.ascontiguousarray(value.T))
-            else:  # shared (e.g. one all-zero zero point for many weights): give this weight its own copy
+            else:  # shared: give this weight its own copy
                 copy = graph.unique_name(f"{view.data}_{'scale' if index == 1 else 'zero_point'}_t")
                 graph.add_initializer(copy, np.ascontiguousarray(value.T))
                 graph.set_input(node, index, copy)

@@ -10,7 +10,9 @@ A rule looks at one anchor node at a time:
 The driver offers every node whose ``op_type`` is in ``rule.anchors`` to ``match``, in graph order, and rewrites
 each match at once, so later matches see the rewritten graph. After the last node it calls ``rule.finish`` (when
 something was rewritten) and, for a rule with ``removes_dead`` (the default), removes what the rule left unused
-once it edited the graph. A rule with ``restart_after_rewrite`` is rescanned
+once it edited the graph. A rule with ``matches_first`` is matched on every anchor of the graph as it was before it
+ran, and only then are its matches rewritten, in order (for decisions that must not see the rule's own earlier
+rewrites). A rule with ``restart_after_rewrite`` is rescanned
 from the first node after every rewrite until a full scan rewrites nothing; a rule with ``only_after = "name"`` runs
 only when that rule ran before it in the list and rewrote something.
 """
@@ -58,6 +60,7 @@ class Rule(ABC):
         name: The rule's name in the report (the name of its module).
         anchors: Op types ``match`` is called for.
         removes_dead: Remove the nodes and initializers nothing needs after the rule edited the graph.
+        matches_first: Match every anchor before rewriting any (decisions see the graph as it was).
         restart_after_rewrite: Rescan from the first node after each rewrite.
         only_after: Run only when the rule of that name ran earlier in the list and rewrote something.
     """
@@ -65,6 +68,7 @@ class Rule(ABC):
     name: ClassVar[str]
     anchors: ClassVar[frozenset[str]]
     removes_dead: ClassVar[bool] = True
+    matches_first: ClassVar[bool] = False
     restart_after_rewrite: ClassVar[bool] = False
     only_after: ClassVar[str | None] = None
 
@@ -82,8 +86,8 @@ class Rule(ABC):
 
 def _scan(rule: Rule, graph: OnnxGraph, skipped: list[Skip]) -> int:
     """One pass over a snapshot of the nodes; returns the number of rewrites (stops after one if restarting)."""
-    rewritten = 0
-    for node in list(graph.nodes):
+    rewritten, pending = 0, []
+    for node in graph.nodes:
         if node.op_type not in rule.anchors or not graph.contains(node):
             continue
         result = rule.match(node, graph)
@@ -91,12 +95,16 @@ def _scan(rule: Rule, graph: OnnxGraph, skipped: list[Skip]) -> int:
             skip = Skip(rule.name, node.name or node.output[0], module_path(node), result.reason)
             _LOG.debug("%s", skip)
             skipped.append(skip)
+        elif result is not None and rule.matches_first:
+            pending.append(result)
         elif result is not None:
             rule.rewrite(result, graph)
             rewritten += 1
             if rule.restart_after_rewrite:
                 break
-    return rewritten
+    for match in pending:
+        rule.rewrite(match, graph)
+    return rewritten + len(pending)
 
 
 def _run(rule: Rule, graph: OnnxGraph) -> tuple[int, list[Skip]]:

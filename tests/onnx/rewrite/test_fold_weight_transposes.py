@@ -111,3 +111,30 @@ def test_fold_weight_transposes_records_why_a_shared_stored_weight_stays() -> No
     reason = "the stored weight has other readers (it cannot be transposed for one of them)"
     assert apply_rule(model, RULE) == (0, [reason])
     assert model.SerializeToString() == before
+
+
+def test_fold_weight_transposes_gives_every_weight_of_a_shared_blocked_scale_its_own_copy() -> None:
+    """Two folded weights share one blocked scale (as identical encoder layers do): both get a transposed copy.
+
+    Sharing is decided on the graph as exported: the second weight must not transpose the shared scale in place
+    after the first one's copy left it with a single reader (that changed the exported bytes).
+    """
+    model = _linear_model("int4_blocked")
+    model.graph.node.extend([
+        helper.make_node("DequantizeLinear", ["w_q2", "w_scale"], ["w2"], axis=1, block_size=32),
+        helper.make_node("Transpose", ["w2"], ["w2_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "w2_t"], ["y2"]),
+    ])
+    model.graph.initializer.append(numpy_helper.from_array(RNG.integers(-8, 8, (N, K)).astype(ml_dtypes.int4),
+                                                           "w_q2"))
+    model.graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["B", 4, N]))
+    x = RNG.standard_normal((2, 4, K)).astype(np.float32)
+    expected = run(model, {"x": x})
+    assert fold_weight_transposes(model) == 2
+    stored = {t.name: list(t.dims) for t in model.graph.initializer}
+    assert stored["w_scale"] == [N, K // 32]  # the shared original is left as it was
+    assert stored["w_q_scale_t"] == stored["w_q2_scale_t"] == [K // 32, N]
+    assert [list(n.input)[1] for n in model.graph.node if n.op_type == "DequantizeLinear"] == [
+        "w_q_scale_t", "w_q2_scale_t"]
+    for got, want in zip(run(model, {"x": x}), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
