@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,26 +29,29 @@ class Timing:
 
 
 def measure(
-    models: Mapping[str, Path], feed: np.ndarray, *, threads: int, rounds: int, runs_per_round: int, warmup: int = 3,
-    session_sets: int = 3,
+    models: Mapping[str, Path], feed: np.ndarray | Sequence[np.ndarray], *, threads: int, rounds: int,
+    runs_per_round: int, warmup: int = 3, session_sets: int = 3,
 ) -> dict[str, Timing]:
     """Time each ONNX model in ``models`` on ``feed``, interleaving variants round by round.
 
     The ``rounds`` are split over ``session_sets`` fresh sessions per variant (each warmed up ``warmup`` runs).
+    ``feed`` is one array for single-input models, or one array per graph input, in order.
     """
+    arrays = [feed] if isinstance(feed, np.ndarray) else list(feed)
     labels = list(models)
     samples: dict[str, list[float]] = {label: [] for label in labels}
     sets = max(1, min(session_sets, rounds))
     for index in range(sets):
         sessions = {label: session(path, threads) for label, path in models.items()}
-        names = {label: s.get_inputs()[0].name for label, s in sessions.items()}
+        feeds = {label: dict(zip([i.name for i in s.get_inputs()], arrays, strict=True))
+                 for label, s in sessions.items()}
         for label, sess in sessions.items():
             for _ in range(warmup):
-                sess.run(None, {names[label]: feed})
+                sess.run(None, feeds[label])
         for r in range(rounds * index // sets, rounds * (index + 1) // sets):
             order = labels[r % len(labels) :] + labels[: r % len(labels)]  # rotate who goes first
             for label in order:
-                sess, inputs = sessions[label], {names[label]: feed}
+                sess, inputs = sessions[label], feeds[label]
                 for _ in range(runs_per_round):
                     start = time.perf_counter()
                     sess.run(None, inputs)

@@ -6,6 +6,7 @@ Usage::
     python -m benchmarks.run --quick              # ≤ 10 min on 2 cores: smaller batches, fewer repeats and rows
     python -m benchmarks.run --only speed accuracy --output /tmp/R.md
     python -m benchmarks.run --quick --only accuracy --tiny --output /tmp/R.md   # smoke test (tests/)
+    python -m benchmarks.run --only corpus --no-latency --output /tmp/R.md     # the 40-model corpus, untimed
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import accuracy, fidelity, file_size, minilm, pipeline_cost, report, speed
+from benchmarks import accuracy, corpus, fidelity, file_size, minilm, pipeline_cost, report, speed
 from benchmarks.results import SectionResult, attempt
 from benchmarks.settings import Settings
+from benchmarks.torchvision_ops import declare_torchvision_ops
 
 
 def _minilm_section(settings: Settings) -> SectionResult:
@@ -43,6 +45,7 @@ SECTIONS: dict[str, Callable[[Settings], SectionResult]] = {
     "size": file_size.run,
     "fidelity": fidelity.run,
     "minilm": _minilm_section,
+    "corpus": corpus.run,
 }
 DEFAULT_OUTPUT = Path(__file__).with_name("RESULTS.md")
 
@@ -55,6 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"run only these sections ({', '.join(SECTIONS)})")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write the markdown report")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep ONNX files here (default: a temp dir)")
+    parser.add_argument("--no-latency", action="store_true",
+                        help="skip the latency measurements of the corpus section (e.g. on a shared machine)")
     return parser.parse_args(argv)
 
 
@@ -67,11 +72,12 @@ def _quiet() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _quiet()
+    declare_torchvision_ops()  # before anything imports transformers / timm (see benchmarks/torchvision_ops.py)
     started, t0 = dt.datetime.now(dt.timezone.utc), time.perf_counter()
     command = "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="coreai_bench_") as tmp:
         settings = Settings(quick=args.quick or args.tiny, tiny=args.tiny, work_dir=args.work_dir or Path(tmp),
-                            torch_threads=1 if args.tiny else 2)
+                            torch_threads=1 if args.tiny else 2, latency=not args.no_latency)
         torch.set_num_threads(settings.torch_threads)
         results: list[SectionResult] = []
         for key in [k for k in SECTIONS if not args.only or k in args.only]:

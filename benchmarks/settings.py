@@ -14,6 +14,7 @@ class Settings:
     tiny: bool
     work_dir: Path
     torch_threads: int = 2
+    latency: bool = True  # False (--no-latency): sections that time onnxruntime on the side (corpus) skip it
 
     @property
     def datasets(self) -> tuple[str, ...]:

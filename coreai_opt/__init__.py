@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "export_onnx": "coreai_opt.onnx",
     "verify_onnx": "coreai_opt.onnx",
     "fusion_report": "coreai_opt.onnx",
+    "from_pretrained": "coreai_opt.huggingface",
 }
 
 __all__ = sorted(_EXPORTS)

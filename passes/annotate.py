@@ -23,8 +23,9 @@ dropout / identity, max_pool
 Weight granularity axes in a config are written for the canonical ``[out, in, *kernel]`` layout
 (per-channel axis 0 = output channels, per-block axis 1 = input channels). This pass maps them to the op's
 real layout: ``conv_transpose`` weights are ``[in, out/groups, *k]`` (axes 0 and 1 swap) and a ``[K, N]``
-matmul operand has its output channels last. An axis out of range or a block size that does not divide its
-dimension is reported for every offending node at once. Ops left float get a reason in
+matmul operand, like ``addmm(bias, x, W)``'s weight (a linear, GPT-2's ``Conv1D``), has its output channels
+last. An axis out of range or a block size that does not divide its dimension is reported for every offending
+node at once. Ops left float get a reason in
 ``NodeMeta.float_reason``. The decisions are :class:`~coreai_opt.passes.node_meta.Annotation` values.
 """
 
@@ -52,6 +53,7 @@ from coreai_opt.passes.node_meta import (
 )
 from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
+from coreai_opt.passes.shape_queries import value_users
 from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
 from coreai_opt.quantization.spec.qparams_math import compute_qparams
 
@@ -101,6 +103,11 @@ PATTERNS: dict[OpKind, _Pattern] = {
 }
 #: Operand index of a matmul -> canonical-to-real axis map of a constant operand ([M, K] @ [K, N]).
 _MATMUL_AXES = {0: {0: -2, 1: -1}, 1: {0: -1, 1: -2}}
+
+
+def _weight_axes(pattern: _Pattern, layout: ArgLayout) -> dict[int, int] | None:
+    """Canonical -> real weight axes: the call's own layout (``addmm``'s ``[in, out]``) or the kind's."""
+    return dict(layout.weight_axes) if layout.weight_axes else pattern.weight_axes
 
 
 def _is_float_tensor(node: object, gm: GraphModule) -> bool:
@@ -260,7 +267,7 @@ class _Matcher:
             if resolved.weight is None:
                 reason = f"{_label(node)} weight left float: no weight spec ({resolved.source})"
             else:
-                spec = self.weight_spec(node, weight_node, resolved.weight, pattern.weight_axes)
+                spec = self.weight_spec(node, weight_node, resolved.weight, _weight_axes(pattern, layout))
                 inputs += [(weight_node, spec)] if spec else []
                 bias = self.bias_spec(node, layout, data, weight_node, act, spec)
                 if isinstance(bias, str):
@@ -273,7 +280,7 @@ class _Matcher:
             out_spec = act
             if pattern.float_range and self.fixed_range_outputs:
                 out_spec = _fixed(act, pattern.float_range, pattern.power_of_two_step)
-            users = list(node.users)
+            users = value_users(node)  # x.shape / x.ndim readers do not block the fusion
             if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
                     and users[0].args and users[0].args[0] is node:
                 self.fused[users[0]] = QuantSpec(out_spec, Role.ACTIVATION)
@@ -299,7 +306,7 @@ class _Matcher:
         if act.dtype_info.is_float or weight_spec.spec.dtype_info.is_float:
             return "bias left float: int32 bias needs integer input and weight dtypes"
         g = weight_spec.spec.granularity
-        out_axis = (PATTERNS[get_meta(node).kind].weight_axes or _ID)[0]
+        out_axis = (_weight_axes(PATTERNS[get_meta(node).kind], layout) or _ID)[0]
         shape = _shape(weight, self.gm)
         if isinstance(g, PerBlock) or (isinstance(g, PerChannel) and
                                        (g.axis != out_axis or shape[out_axis] != _shape(bias, self.gm)[0])):

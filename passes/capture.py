@@ -20,8 +20,10 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import operator
 import os
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +31,11 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from coreai_opt.passes.capture_error import CaptureError, InplaceAliasError, ShapeGuardError
+from coreai_opt.passes.functionalize_inplace import functionalize_inplace
 from coreai_opt.passes.node_meta import META_KEY, NodeMeta, set_meta
+from coreai_opt.passes.savable_graph_module import SavableGraphModule
+from coreai_opt.passes.shape_guards import check_shape_guards
 
 __all__ = ["capture", "CaptureError"]
 
@@ -39,18 +45,46 @@ _METHODS = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-class CaptureError(ValueError):
-    """Neither FX tracing nor torch.export could capture the model."""
+class _InplaceProxy(fx.Proxy):
+    """A Proxy that records ``x += y`` as ``operator.iadd(x, y)``.
+
+    ``fx.Proxy`` has no ``__iadd__``, so Python falls back to ``x = x + y`` and every other name of the old
+    tensor silently keeps the old value; recording the in-place operator lets
+    :func:`~coreai_opt.passes.functionalize_inplace.functionalize_inplace` rewire (or refuse) it.
+    """
+
+
+def _inplace_operator(op: Any) -> Any:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+for _name in ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift",
+              "irshift", "imatmul"):
+    setattr(_InplaceProxy, f"__{_name}__", _inplace_operator(getattr(operator, _name)))
 
 
 class _LeafTracer(fx.Tracer):
-    """FX tracer whose leaves are atomic torch.nn modules and the user's leaf modules."""
+    """FX tracer whose leaves are atomic torch.nn modules and the user's leaf modules.
 
-    def __init__(self, leaf_types: tuple[type, ...], leaf_names: frozenset[str]) -> None:
+    It records each node's source line (``node.stack_trace``) for error messages, reads buffers through
+    ``get_attr`` nodes (so that ``self.buf.add_(1)`` is recorded instead of running on the real buffer while
+    tracing), and its arguments have defaults because ``pickle`` re-creates a GraphModule's tracer class without
+    arguments.
+    """
+
+    def __init__(self, leaf_types: tuple[type, ...] = (), leaf_names: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.leaf_types = leaf_types
         self.leaf_names = leaf_names
         self.failed_in: tuple[str, str] | None = None
+        self.record_stack_traces = True
+        self.proxy_buffer_attributes = True
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:  # noqa: D102
+        return _InplaceProxy(node, self)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:  # noqa: D102
         if module_qualified_name in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
@@ -109,7 +143,7 @@ def _capture_fx(
         raise CaptureError(
             f"FX tracing failed in {module} at {_culprit_frame(exc, skip_torch=False)}: {type(exc).__name__}: {exc}"
         ) from exc
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = SavableGraphModule(tracer.root, graph, type(model).__name__)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = list(inspect.signature(model.forward).parameters)
     bound = {**_bind(model, args, kwargs), **(concrete_args or {})}
@@ -117,9 +151,12 @@ def _capture_fx(
         if name in (concrete_args or {}):  # FX keeps a placeholder that asserts the value: default it to the value
             placeholder.args = (concrete_args[name],)
     gm.recompile()
-    inputs = [bound.get(name) for name in names[: len(placeholders)]]
+    # Clones: an in-place op on an input must not write into the caller's example tensors.
+    inputs = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone,
+                                               [bound.get(name) for name in names[: len(placeholders)]])
     was_training = gm.training
     gm.eval()  # never update BN statistics while recording shapes
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}  # forward may write into buffers (counters)
     try:
         with torch.no_grad():
             ShapeProp(gm).propagate(*inputs)
@@ -130,7 +167,10 @@ def _capture_fx(
         ) from exc
     finally:
         gm.train(was_training)
-    return gm
+        with torch.no_grad():
+            for name, value in gm.named_buffers():
+                value.copy_(buffers[name])
+    return functionalize_inplace(gm).graph_module
 
 
 def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -141,24 +181,70 @@ def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> di
     return dict(bound.arguments)
 
 
-def _dynamic_batch(value: Any) -> Any:
+def _dynamic_batch(value: Any, sizes: list[int]) -> Any:
+    """Dim 0 of every tensor dynamic (``Dim.AUTO``) unless its example size is 0 or 1 (records every dim-0 size)."""
     if isinstance(value, torch.Tensor):
-        return {0: torch.export.Dim.AUTO} if value.dim() >= 1 else None
+        if value.dim() >= 1:
+            sizes.append(value.shape[0])
+        return {0: torch.export.Dim.AUTO} if value.dim() >= 1 and value.shape[0] > 1 else None
     if isinstance(value, (tuple, list)):
-        return type(value)(_dynamic_batch(v) for v in value)
+        return type(value)(_dynamic_batch(v, sizes) for v in value)
     if isinstance(value, dict):
-        return {k: _dynamic_batch(v) for k, v in value.items()}
+        return {k: _dynamic_batch(v, sizes) for k, v in value.items()}
     return None
 
 
-def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.GraphModule:
+def _check_dynamic_shapes(model: nn.Module, dynamic_shapes: dict[str, Any] | None) -> None:
+    if dynamic_shapes is None:
+        return
+    if not isinstance(dynamic_shapes, dict):
+        raise TypeError(f"dynamic_shapes must be a dict keyed by forward argument name, got "
+                        f"{type(dynamic_shapes).__name__}; e.g. dynamic_shapes={{'x': None}} keeps x static")
+    names = list(inspect.signature(model.forward).parameters)
+    unknown = sorted(set(dynamic_shapes) - set(names))
+    if unknown:
+        raise ValueError(f"dynamic_shapes names {unknown}, which are not arguments of {type(model).__name__}.forward "
+                         f"(its arguments: {names})")
+
+
+def _export_dynamic_shapes(bound: dict[str, Any], dynamic_shapes: dict[str, Any] | None) -> dict[str, Any]:
+    """The default per-argument spec with the user's ``dynamic_shapes`` entries replacing it where given.
+
+    A dimension of size 0 or 1 in the example cannot be exported as dynamic (torch.export would trace the
+    size-1 special cases of every op), so it stays a constant; when that is the batch of every input a warning
+    says so.
+    """
+    sizes: list[int] = []
+    spec = {name: _dynamic_batch(value, sizes) for name, value in bound.items()}
+    if dynamic_shapes is None and sizes and max(sizes) <= 1:
+        warnings.warn(
+            f"every example input has batch {max(sizes)}; torch.export captures a batch of 0 or 1 as a constant, so "
+            "the prepared model only accepts that batch size. For a dynamic batch give an example batch of at "
+            "least 2",
+            UserWarning,
+            stacklevel=4,
+        )
+    return {**spec, **(dynamic_shapes or {})}
+
+
+def _mutates(program: torch.export.ExportedProgram) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in program.graph.nodes if n.op == "call_function")
+
+
+def _capture_export(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: dict[str, Any] | None = None
+) -> fx.GraphModule:
     signature = inspect.signature(model.forward)
     bound = signature.bind(*args, **kwargs)
-    dynamic_shapes = {name: _dynamic_batch(value) for name, value in bound.arguments.items()}
+    spec = _export_dynamic_shapes(dict(bound.arguments), dynamic_shapes)
     was_training = model.training
     model.eval()
     try:
-        program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        # Size-oblivious: a comparison of a dynamic size with 0 or 1 becomes a guard (checked below) instead of
+        # the exporter's silent assumption that the size is never 0 or 1.
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
     except Exception as exc:
         raise CaptureError(
             f"torch.export failed at {_culprit_frame(exc, skip_torch=True)}: {type(exc).__name__}: "
@@ -166,9 +252,13 @@ def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         ) from exc
     finally:
         model.train(was_training)
+    check_shape_guards(program, type(model).__name__)
+    if _mutates(program):  # in-place ops, writes into views, out= calls: torch's functionalization replays them
+        program = program.run_decompositions({})
     exported = program.module()
-    # A plain GraphModule (same graph, same pytree codegen) so that train()/eval() work like any module.
-    gm = fx.GraphModule(exported, exported.graph, type(model).__name__)
+    # A plain GraphModule (same graph, same pytree codegen) so that train()/eval() work like any module and
+    # pickle / torch.save store it (see savable_graph_module).
+    gm = SavableGraphModule(exported, exported.graph, type(model).__name__)
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target) == "_guards_fn":
             gm.graph.erase_node(node)
@@ -177,7 +267,7 @@ def _capture_export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     gm.graph.lint()
     gm.recompile()
     gm.train(was_training)
-    return gm
+    return functionalize_inplace(gm).graph_module
 
 
 def _record_scopes(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -203,6 +293,7 @@ def capture(
     method: str = "auto",
     leaf_modules: Sequence[type | str] = (),
     concrete_args: dict[str, Any] | None = None,
+    dynamic_shapes: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
     """Deep-copy ``model`` once and capture the copy as a GraphModule.
 
@@ -213,6 +304,9 @@ def capture(
         method: ``"auto"`` (FX, then export), ``"fx"`` or ``"export"``.
         leaf_modules: Extra module types or qualified names FX keeps as single ``call_module`` nodes.
         concrete_args: Arguments FX specialises on (e.g. Python flags that drive control flow).
+        dynamic_shapes: For the torch.export capture: per-argument entries in ``torch.export``'s format that
+            replace the default (dimension 0 of every tensor dynamic), e.g. ``{"x": None}`` keeps ``x`` static and
+            ``{"ids": {0: Dim.AUTO, 1: Dim.AUTO}}`` makes two dimensions dynamic. FX graphs are size-generic.
 
     Returns:
         The GraphModule, with ``gm.meta["coreai_opt"] = {"capture": "fx" | "export", "input_names": [...]}``.
@@ -234,6 +328,7 @@ def capture(
         )
     if method not in _METHODS:
         raise ValueError(f"capture={method!r} is not one of {_METHODS}")
+    _check_dynamic_shapes(model, dynamic_shapes)
     kwargs = dict(example_kwargs or {})
     copied = copy.deepcopy(model)
     errors: list[str] = []
@@ -242,6 +337,11 @@ def capture(
     if method in ("auto", "fx"):
         try:
             gm, used = _capture_fx(copied, example_args, kwargs, leaf_modules, concrete_args), "fx"
+        except InplaceAliasError as exc:
+            if method == "fx":
+                raise
+            logger.info("FX cannot functionalize %s (%s); falling back to torch.export", type(model).__name__, exc)
+            errors.append(str(exc))
         except CaptureError as exc:
             if method == "fx":
                 raise CaptureError(f"{exc}. Add the module to leaf_modules or pass concrete_args.") from exc
@@ -249,7 +349,9 @@ def capture(
             errors.append(str(exc))
     if gm is None:
         try:
-            gm, used = _capture_export(copied, example_args, kwargs), "export"
+            gm, used = _capture_export(copied, example_args, kwargs, dynamic_shapes), "export"
+        except ShapeGuardError:
+            raise
         except CaptureError as exc:
             errors.append(str(exc))
             raise CaptureError(

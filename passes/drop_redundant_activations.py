@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.dead_code import remove_dead_nodes
 from coreai_opt.passes.node_meta import get_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.passes.pass_result import PassResult
@@ -77,7 +78,7 @@ def drop_redundant_activations(gm: GraphModule) -> PassResult:
         gm.graph.erase_node(node)
         changes += 1
     if changes:
-        gm.graph.eliminate_dead_code()
+        remove_dead_nodes(gm)
         gm.graph.lint()
         gm.recompile()
     return PassResult(gm, changes)

@@ -42,14 +42,9 @@ from torch.fx import GraphModule, Node
 from coreai_opt.passes.node_meta import get_meta, tensor_info
 from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
+from coreai_opt.passes.shape_queries import value_users
 
 __all__ = ["fold_attention_scale"]
-
-aten = torch.ops.aten
-
-_SHAPE_ATTRS = frozenset({"shape", "ndim", "dtype", "device"})
-_SHAPE_METHODS = frozenset({"size", "dim", "numel", "nelement", "ndimension"})
-_SHAPE_PACKETS = (aten.sym_size, aten.sym_numel)
 
 
 def _attr(gm: GraphModule, value: object) -> object | None:
@@ -66,21 +61,6 @@ def _set_tensor(gm: GraphModule, target: str, value: torch.Tensor) -> None:
     module = gm.get_submodule(owner)
     old = getattr(module, name)
     setattr(module, name, nn.Parameter(value, requires_grad=getattr(old, "requires_grad", True)))
-
-
-def _is_shape_query(user: Node) -> bool:
-    """True when ``user`` reads only the shape / metadata of its input, never the values."""
-    if user.op == "call_function" and user.target is getattr:
-        return len(user.args) > 1 and user.args[1] in _SHAPE_ATTRS
-    if user.op == "call_method":
-        return str(user.target) in _SHAPE_METHODS
-    packet = getattr(user.target, "overloadpacket", None)
-    return packet is not None and packet in _SHAPE_PACKETS
-
-
-def _value_users(node: Node) -> list[Node]:
-    """Users of ``node`` that read its values."""
-    return [user for user in node.users if not _is_shape_query(user)]
 
 
 def _constant(gm: GraphModule, value: object) -> float | torch.Tensor | None:
@@ -111,7 +91,7 @@ def _scaled_matmul(gm: GraphModule, node: Node) -> tuple[Node, float | torch.Ten
     for matmul, operand in orders:
         if not isinstance(matmul, Node) or get_meta(matmul).kind is not OpKind.MATMUL:
             continue
-        if _value_users(matmul) != [node] or len(matmul.args) < 2 or matmul.args[0] is matmul.args[1]:
+        if value_users(matmul) != [node] or len(matmul.args) < 2 or matmul.args[0] is matmul.args[1]:
             continue
         value = _constant(gm, operand)
         if value is None:
@@ -130,7 +110,7 @@ def _projection(gm: GraphModule, start: object, positive: bool) -> Node | None:
     """Walk from a matmul operand through single-user movers back to a functional linear (None if none)."""
     node = start
     while isinstance(node, Node):
-        if len(_value_users(node)) != 1:
+        if len(value_users(node)) != 1:
             return None
         kind = get_meta(node).kind
         if kind is OpKind.LINEAR:

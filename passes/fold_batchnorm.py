@@ -15,8 +15,13 @@ Recognised BatchNorm forms (both captures): ``call_module`` BatchNorm1d/2d/3d wi
 ``aten._native_batch_norm_legit_no_training.default`` (whose ``getitem(·, 0)`` is the output). Folding
 happens for post-training quantization *and* for QAT: ``prepare(qat=True)`` trains the folded convolution
 (BN statistics frozen into the weights, the usual "freeze BN" recipe), so the prepared and converted models
-compute the same function. A conv whose output has other users, a weight shared with another op, or a BN
-without running statistics is left alone and the reason is recorded on the BN node.
+compute the same function. Users that read only the conv output's shape or dtype (``x.ndim``, ``x.shape``,
+``x.size()``, ``aten.sym_size``, e.g. timm's ``_assert(x.ndim == 4)`` in ``BatchNormAct2d``; see
+:mod:`~coreai_opt.passes.shape_queries`) do not block the fold: they keep reading the conv node, whose output
+after folding is the BN output, of the same shape and dtype. A bias-free conv gets its bias argument added
+whether the call passed ``None`` or left it out (``aten.conv2d.default(x, w)`` from torch.export). A conv whose
+output has other users, a weight shared with another op, or a BN without running statistics is left alone and the
+reason is recorded on the BN node.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.dead_code import remove_dead_nodes
 from coreai_opt.passes.node_meta import get_meta, set_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.passes.pass_result import PassResult
+from coreai_opt.passes.shape_queries import value_users
 
 __all__ = ["fold_batchnorm"]
 
@@ -102,15 +109,35 @@ def _set_tensor(gm: GraphModule, target: str, value: torch.Tensor) -> None:
     setattr(module, name, nn.Parameter(value, requires_grad=getattr(old, "requires_grad", True)))
 
 
+def _bias_arg(conv: Node) -> object:
+    """The conv's bias argument (position 2 or keyword ``bias``; None when absent)."""
+    return conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
+
+
+def _set_bias_arg(conv: Node, bias: Node) -> None:
+    """Point the conv's bias slot at ``bias``, appending the argument when the call left it out.
+
+    ``aten.conv2d.default(x, w)`` (torch.export of a bias-free conv) and ``F.conv2d(x, w, stride=2)`` pass
+    only two positional arguments; the bias is the third in every conv signature.
+    """
+    if len(conv.args) > 2:
+        conv.update_arg(2, bias)
+    elif "bias" in conv.kwargs:
+        conv.update_kwarg("bias", bias)
+    else:
+        conv.args = (*conv.args[:2], bias)
+
+
 def _fold_one(gm: GraphModule, conv: Node, bn: Node) -> str | None:
     """Fold ``bn`` into ``conv``; return None on success or the reason it was skipped."""
     kind = get_meta(conv).kind
     if kind not in (OpKind.CONV, OpKind.CONV_TRANSPOSE) or conv.op != "call_function":
         return "its input is not a functional convolution"
-    if len(conv.users) != 1:
-        return f"conv '{conv.name}' output has {len(conv.users)} users"
-    weight_node = conv.args[1]
-    bias_node = conv.args[2] if len(conv.args) > 2 else conv.kwargs.get("bias")
+    readers = value_users(conv)
+    if readers != [bn]:
+        return f"conv '{conv.name}' output has {len(readers)} users"
+    weight_node = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
+    bias_node = _bias_arg(conv)
     if not isinstance(weight_node, Node) or weight_node.op != "get_attr" or len(weight_node.users) != 1:
         return "conv weight is not a get_attr used only by this conv"
     if bias_node is not None and (not isinstance(bias_node, Node) or bias_node.op != "get_attr"
@@ -146,7 +173,7 @@ def _fold_one(gm: GraphModule, conv: Node, bn: Node) -> str | None:
         with gm.graph.inserting_before(conv):
             bias_node = gm.graph.get_attr(target)
         set_meta(bias_node, replace(get_meta(weight_node)))
-        conv.update_arg(2, bias_node)
+        _set_bias_arg(conv, bias_node)
     else:
         _set_tensor(gm, str(bias_node.target), folded_b)
     out.replace_all_uses_with(conv)
@@ -183,7 +210,7 @@ def fold_batchnorm(gm: GraphModule) -> PassResult:
             set_meta(node, replace(meta, float_reason=f"batch norm '{meta.module_name or node.name}' not folded: "
                                                       f"{reason}"))
     if changes:
-        gm.graph.eliminate_dead_code()
+        remove_dead_nodes(gm)
         gm.delete_all_unused_submodules()
         gm.graph.lint()
         gm.recompile()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.attention_math import masked_softmax
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 
 __all__ = ["OpKind", "ArgLayout", "OpEntry", "lookup_op", "MOVER_KINDS", "WEIGHTED_KINDS"]
@@ -84,11 +85,14 @@ class ArgLayout:
         data: Positions of the tensor operands that carry activations (quantized as activations).
         weight: The weight operand of weighted ops.
         bias: The bias operand of weighted ops.
+        weight_axes: ``(canonical axis, real axis)`` pairs when the call stores its weight other than the kind's
+            usual layout, e.g. ``addmm(bias, x, W)`` with ``W`` ``[in, out]``: ``((0, 1), (1, 0))``.
     """
 
     data: tuple[tuple[int, str], ...] = ((0, "input"),)
     weight: tuple[int, str] | None = None
     bias: tuple[int, str] | None = None
+    weight_axes: tuple[tuple[int, int], ...] | None = None
 
     @staticmethod
     def get(node: Node, ref: tuple[int, str] | None) -> Any:
@@ -115,6 +119,8 @@ _WEIGHTED = ArgLayout(weight=(1, "weight"), bias=(2, "bias"))
 _F_EMBEDDING = ArgLayout(weight=(1, "weight"))
 _ATEN_EMBEDDING = ArgLayout(data=((1, "indices"),), weight=(0, "weight"))
 _CAT = ArgLayout(data=((0, "tensors"),))
+# addmm(bias, x, W) = bias + x @ W with W [in, out] (GPT-2's Conv1D): a linear whose output channels are last.
+_ADDMM = ArgLayout(data=((1, "mat1"),), weight=(2, "mat2"), bias=(0, "input"), weight_axes=((0, 1), (1, 0)))
 
 # (kind, layout, call_module types, functions / aten packets, Tensor method names)
 _ROWS: list[tuple[OpKind, ArgLayout, tuple[type, ...], tuple[Any, ...], tuple[str, ...]]] = [
@@ -124,6 +130,7 @@ _ROWS: list[tuple[OpKind, ArgLayout, tuple[type, ...], tuple[Any, ...], tuple[st
      (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d,
       aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d), ()),
     (OpKind.LINEAR, _WEIGHTED, (nn.Linear,), (F.linear, aten.linear), ()),
+    (OpKind.LINEAR, _ADDMM, (), (torch.addmm, aten.addmm), ()),
     (OpKind.EMBEDDING, _F_EMBEDDING, (nn.Embedding,), (F.embedding,), ()),
     (OpKind.EMBEDDING, _ATEN_EMBEDDING, (), (aten.embedding,), ()),
     (OpKind.MATMUL, _BINARY, (), (torch.matmul, torch.bmm, torch.mm, operator.matmul,
@@ -137,7 +144,8 @@ _ROWS: list[tuple[OpKind, ArgLayout, tuple[type, ...], tuple[Any, ...], tuple[st
     (OpKind.GROUP_NORM, _UNARY, (nn.GroupNorm,), (F.group_norm, aten.group_norm), ()),
     (OpKind.BATCH_NORM, _UNARY, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d),
      (F.batch_norm, aten.batch_norm, aten._native_batch_norm_legit_no_training), ()),
-    (OpKind.SOFTMAX, _UNARY, (nn.Softmax,), (F.softmax, torch.softmax, aten.softmax, aten._softmax), ("softmax",)),
+    (OpKind.SOFTMAX, _UNARY, (nn.Softmax,), (F.softmax, torch.softmax, aten.softmax, aten._softmax, masked_softmax),
+     ("softmax",)),
     (OpKind.GELU, _UNARY, (nn.GELU,), (F.gelu, aten.gelu), ()),
     (OpKind.SILU, _UNARY, (nn.SiLU,), (F.silu, aten.silu), ()),
     (OpKind.HARDSWISH, _UNARY, (nn.Hardswish,), (F.hardswish, aten.hardswish), ()),

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from coreai_opt import reference_models as rm
+from coreai_opt.reference_models import randomize_batchnorm
 
 __all__ = ["ZooEntry", "ZOO", "build", "randomize_batchnorm"]
 
@@ -26,20 +27,6 @@ class ZooEntry:
     make_input: Callable[[int], torch.Tensor]
     capture: str  # the capture "auto" must pick
     is_cnn: bool
-
-
-def randomize_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Give every BatchNorm non-trivial running statistics and affine parameters (in place)."""
-    gen = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            with torch.no_grad():
-                m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
-                m.running_var.copy_(torch.rand(m.num_features, generator=gen) * 0.5 + 0.5)
-                if m.affine:
-                    m.weight.copy_(torch.rand(m.num_features, generator=gen) * 0.5 + 0.75)
-                    m.bias.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
-    return model
 
 
 def _images(batch: int) -> torch.Tensor:

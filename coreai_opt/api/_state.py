@@ -10,8 +10,19 @@ from torch import fx, nn
 
 from coreai_opt.passes.node_meta import META_KEY, Role, get_meta
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, StatefulQParamsCalculatorBase
+from coreai_opt.quantization.spec.input_statistics import InputStatistics
 
-__all__ = ["graph_meta", "fake_quantizers", "bias_quantizers", "weight_quantizer_inputs", "commit_weight_qparams"]
+__all__ = [
+    "graph_meta",
+    "fake_quantizers",
+    "bias_quantizers",
+    "weight_quantizer_inputs",
+    "stale_weight_quantizers",
+    "commit_records",
+    "restore_commit_records",
+    "commit_weight_qparams",
+    "input_statistics",
+]
 
 
 def graph_meta(model: object, caller: str) -> dict[str, Any]:
@@ -33,6 +44,11 @@ def fake_quantizers(model: nn.Module) -> list[tuple[str, FakeQuantize]]:
 def bias_quantizers(model: nn.Module) -> list[tuple[str, BiasFakeQuantize]]:
     """All BiasFakeQuantize submodules (derived int32 biases) with their names, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, BiasFakeQuantize)]
+
+
+def input_statistics(model: nn.Module) -> list[InputStatistics]:
+    """The input statistics of data-aware weight rounding (called on the linears' input edges), in module order."""
+    return [m for m in model.modules() if isinstance(m, InputStatistics) and m.attached]
 
 
 def weight_quantizer_inputs(gm: fx.GraphModule) -> list[tuple[FakeQuantize, torch.Tensor]]:
@@ -67,11 +83,39 @@ def _unchanged_since_commit(fq: FakeQuantize, weight: torch.Tensor) -> bool:
             and fq.calculator.has_qparams)
 
 
+def stale_weight_quantizers(gm: fx.GraphModule, *, force: bool = False) -> list[tuple[FakeQuantize, torch.Tensor]]:
+    """The ``(weight quantizer, weight)`` pairs :func:`commit_weight_qparams` would recommit.
+
+    Stateful, not frozen, and (unless ``force``) not committed from this very weight unchanged since, or holding
+    new input statistics for its weight rounding.
+    """
+    return [
+        (fq, weight) for fq, weight in weight_quantizer_inputs(gm)
+        if isinstance(fq.calculator, StatefulQParamsCalculatorBase) and not fq.export_mode
+        and (force or not _unchanged_since_commit(fq, weight) or fq.has_input_statistics)
+    ]
+
+
+def commit_records(quantizers: list[FakeQuantize]) -> dict[FakeQuantize, tuple[weakref.ref[torch.Tensor], int] | None]:
+    """Which weight (and weight version) each quantizer was last committed from; see :func:`restore_commit_records`."""
+    return {fq: _COMMITTED_FROM.get(fq) for fq in quantizers}
+
+
+def restore_commit_records(records: dict[FakeQuantize, tuple[weakref.ref[torch.Tensor], int] | None]) -> None:
+    """Put back records taken by :func:`commit_records` (a rolled-back calibration)."""
+    for fq, record in records.items():
+        if record is None:
+            _COMMITTED_FROM.pop(fq, None)
+        else:
+            _COMMITTED_FROM[fq] = record
+
+
 def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
     """Compute every weight quantizer's qparams from the current weight (no calibration data needed).
 
     A weight that is the same tensor, unchanged, as at its last commit is skipped (its qparams would come out the
-    same), so calibrating repeatedly does not re-scan every weight each time.
+    same), so calibrating repeatedly does not re-scan every weight each time, unless its weight rounding holds new
+    calibration statistics (GPTQ, weighted MSE), which are then used.
 
     Args:
         gm: A prepared model.
@@ -82,14 +126,10 @@ def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
     """
     count = 0
     with torch.no_grad():
-        for fq, weight in weight_quantizer_inputs(gm):
+        for fq, weight in stale_weight_quantizers(gm, force=force):
             calculator = fq.calculator
-            if not isinstance(calculator, StatefulQParamsCalculatorBase) or fq.export_mode:
-                continue
-            if not force and _unchanged_since_commit(fq, weight):
-                continue
             calculator.reset_statistics()
-            calculator.observe(weight.detach())
+            fq.observe(weight.detach())
             fq.commit()
             _COMMITTED_FROM[fq] = (weakref.ref(weight), weight._version)
             count += 1

@@ -31,12 +31,19 @@ from coreai_opt.api._state import (
     commit_weight_qparams,
     fake_quantizers,
     graph_meta,
+    input_statistics,
     weight_quantizer_inputs,
 )
 from coreai_opt.api.batches import as_call
 from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
+from coreai_opt.api.input_checks import check_batch, given_inputs, token_inputs
+from coreai_opt.api.model_guard import exclusive_model
+from coreai_opt.api.quantizer_snapshot import QuantizerSnapshot
+from coreai_opt.error_boundary import error_stage, public_api
 
 __all__ = ["calibrate"]
+
+_END = object()  # end of the calibration data
 
 
 def _check_inputs(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -82,6 +89,7 @@ def _shape_hint(meta: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, A
     return ""
 
 
+@public_api
 def calibrate(
     prepared: fx.GraphModule,
     data: Iterable[Any],
@@ -91,6 +99,16 @@ def calibrate(
     sync: str = "auto",
 ) -> fx.GraphModule:
     """Observe ``data`` and commit the qparams of every quantizer of ``prepared`` (in place).
+
+    Calibration is a transaction: statistics, qparams, flags, train mode and weight commits change only when
+    the call completes. An exception or interrupt at any point (a bad batch, the data iterator raising,
+    ``KeyboardInterrupt``, a failed ``torch.distributed`` merge, a range float32 cannot hold) puts the model
+    back exactly as it was before the call, so ``convert`` keeps giving the earlier qparams.
+
+    One model is calibrated by one call at a time: a second ``calibrate`` (or ``search_calibration`` /
+    ``sensitivity``) on the same model while one runs, from another thread or from inside the data iterator,
+    raises :class:`~coreai_opt.errors.CalibrationInProgressError` at once. Calibrate copies
+    (``copy.deepcopy(prepared)``) in parallel instead.
 
     Args:
         prepared: A model returned by ``prepare``.
@@ -104,7 +122,10 @@ def calibrate(
 
     Raises:
         TypeError: ``prepared`` was not produced by ``prepare``.
-        ValueError: converted model, empty data, bad ``sync``/``max_batches``, or a batch unlike the example.
+        ValueError: converted model, empty data, bad ``sync``/``max_batches``, a batch unlike the example, an
+            empty batch or token ids outside an embedding (:class:`~coreai_opt.errors.InputValidationError`),
+            or a range float32 cannot hold (:class:`~coreai_opt.errors.QParamsRangeError`).
+        CalibrationInProgressError: another call is changing this model's quantizers.
     """
     meta = graph_meta(prepared, "calibrate")
     if meta.get("converted"):
@@ -113,6 +134,21 @@ def calibrate(
         raise ValueError(f"sync={sync!r} is not one of {SYNC_MODES}; use sync='auto'")
     if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
         raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
+    with exclusive_model(prepared, "calibrate"):
+        snapshot = QuantizerSnapshot(prepared)
+        try:
+            _calibrate_in_place(prepared, meta, data, max_batches, progress, sync)
+        except BaseException:
+            snapshot.restore()
+            raise
+    return prepared
+
+
+def _calibrate_in_place(
+    prepared: fx.GraphModule, meta: dict[str, Any], data: Iterable[Any], max_batches: int | None, progress: bool,
+    sync: str,
+) -> None:
+    """The calibration itself; leaves partial state behind when it raises (``calibrate`` rolls it back)."""
     quantizers = [fq for _, fq in fake_quantizers(prepared)]
     saved = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for fq in quantizers]
     biases = [bq for _, bq in bias_quantizers(prepared)]
@@ -129,35 +165,49 @@ def calibrate(
         fq.enable_fake_quant(False)
     for bq in biases:  # the input scale is a placeholder / stale until commit: keep the float bias meanwhile
         bq.enable_fake_quant(False)
+    statistics = input_statistics(prepared)  # data-aware weight rounding (GPTQ ...) observes the linears' inputs
+    for stats in statistics:
+        stats.reset()
+        stats.enabled = True
     prepared.eval()
     count = 0
     total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
+    names = list(meta.get("input_names", []))
+    tokens = token_inputs(prepared, names)
     try:
         # statistics are merged across torch.distributed ranks (no-op without a process group) before commit
         with torch.no_grad(), CalibrationSync(prepared, sync) as syncer:
             bar = tqdm(data, total=total, disable=not progress or not syncer.is_main, desc="calibrate", leave=False)
-            for batch in bar:
-                if max_batches is not None and count >= max_batches:
+            batches = iter(bar)
+            while max_batches is None or count < max_batches:
+                with error_stage(f"reading calibration batch {count} from data"):
+                    batch = next(batches, _END)
+                if batch is _END:
                     break
                 args, kwargs = as_call(batch)
                 _check_inputs(meta, args, kwargs)
+                check_batch(meta, tokens, given_inputs(names, args, kwargs), f"calibration batch {count}")
                 try:
-                    prepared(*args, **kwargs)
+                    with error_stage(f"running calibration batch {count} through the model"):
+                        prepared(*args, **kwargs)
                 except RuntimeError as exc:
                     hint = _shape_hint(meta, args, kwargs)
                     raise ValueError(f"calibration batch {count} failed: {hint}{exc}") from exc
                 count += 1
                 syncer.after_batch()
+            bar.close()
         if syncer.total_batches == 0:  # no rank had data (one empty rank of several is fine)
             raise ValueError("calibration data is empty: pass an iterable with at least one batch")
-        for fq in activation_quantizers:
-            fq.commit()
-        commit_weight_qparams(prepared)
+        with error_stage("committing the qparams"):
+            for fq in activation_quantizers:
+                fq.commit()
+            commit_weight_qparams(prepared)
     finally:
         for fq, (observe, fake_quant) in zip(quantizers, saved, strict=True):
             fq.enable_observer(observe)
             fq.enable_fake_quant(fake_quant)
         for bq, fake_quant in zip(biases, saved_biases, strict=True):
             bq.enable_fake_quant(fake_quant)
+        for stats in statistics:
+            stats.enabled = False
         prepared.train(was_training)
-    return prepared

@@ -22,6 +22,8 @@ from torch import Tensor, fx
 
 from coreai_opt.api._state import fake_quantizers, graph_meta
 from coreai_opt.api.batches import as_call
+from coreai_opt.api.model_guard import exclusive_model
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, FakeQuantize, StatefulQParamsCalculatorBase
@@ -48,6 +50,7 @@ class CalibrationSearchResult:
 
     choices: tuple[CalibrationChoice, ...]
 
+    @public_api
     def counts(self) -> dict[str, int]:
         """How many quantizers chose each calculator."""
         out: dict[str, int] = {}
@@ -55,6 +58,7 @@ class CalibrationSearchResult:
             out[c.chosen] = out.get(c.chosen, 0) + 1
         return out
 
+    @public_api
     def table(self) -> str:
         """Markdown table: quantizer, chosen calculator, error of each candidate relative to minmax."""
         names = list(CANDIDATES)
@@ -112,6 +116,7 @@ def _error(y: Tensor, x: Tensor, weights: list[Tensor]) -> float:
     return float(sum(((flat @ w.T) ** 2).sum() for w in matching))
 
 
+@public_api
 def search_calibration(prepared: fx.GraphModule, data: Iterable[Any], *,
                        candidates: Sequence[str] = tuple(CANDIDATES)) -> CalibrationSearchResult:
     """Pick the best range calculator per static activation quantizer and install it (in place).
@@ -158,29 +163,30 @@ def search_calibration(prepared: fx.GraphModule, data: Iterable[Any], *,
                     errors[name][cname] += _error(cand(x), x, weights.get(name, []))
         return run
 
-    handles = [targets[name].register_forward_pre_hook(hook(name)) for name in targets]
-    was_training = prepared.training
-    prepared.eval()
-    try:
-        for fq in targets.values():
-            fq.enable_fake_quant(False)  # candidates see float inputs, as calibration does
-        with torch.no_grad():
-            for batch in batches:
-                args, kwargs = as_call(batch)
-                prepared(*args, **kwargs)
-            for group in cands.values():
-                for cand in group.values():
-                    cand.commit()
-            phase["observe"] = False
-            for batch in batches:
-                args, kwargs = as_call(batch)
-                prepared(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-        for name, fq in targets.items():
-            fq.enable_fake_quant(saved[name])
-        prepared.train(was_training)
+    with exclusive_model(prepared, "search_calibration"):
+        handles = [targets[name].register_forward_pre_hook(hook(name)) for name in targets]
+        was_training = prepared.training
+        prepared.eval()
+        try:
+            for fq in targets.values():
+                fq.enable_fake_quant(False)  # candidates see float inputs, as calibration does
+            with torch.no_grad():
+                for batch in batches:
+                    args, kwargs = as_call(batch)
+                    prepared(*args, **kwargs)
+                for group in cands.values():
+                    for cand in group.values():
+                        cand.commit()
+                phase["observe"] = False
+                for batch in batches:
+                    args, kwargs = as_call(batch)
+                    prepared(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+            for name, fq in targets.items():
+                fq.enable_fake_quant(saved[name])
+            prepared.train(was_training)
     choices = []
     for name, fq in targets.items():
         best = min(errors[name], key=errors[name].get)

@@ -13,13 +13,17 @@ import copy
 from torch import fx
 
 from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers, graph_meta
+from coreai_opt.api.model_guard import check_model_idle
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
+from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.node_meta import META_KEY
 from coreai_opt.quantization.spec import StatefulQParamsCalculatorBase
 
 __all__ = ["convert"]
 
 
+@public_api
 def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     """Return a frozen copy of ``prepared`` ready for ONNX export (``prepared`` is unchanged).
 
@@ -31,13 +35,18 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
 
     Raises:
         TypeError: ``prepared`` was not produced by ``prepare``.
-        ValueError: already converted, activation quantizers that were never calibrated, or stateless
+        ValueError: already converted, a weight holding NaN (named), activation quantizers that were never
+            calibrated, or stateless
             quantizers that cannot export (``DynamicFakeQuantize`` can); the quantizers are named.
+        CalibrationInProgressError: ``prepared`` is being calibrated (by another thread) right now.
     """
     meta = graph_meta(prepared, "convert")
     if meta.get("converted"):
         raise ValueError("this model is already converted; convert the prepared model instead")
+    check_model_idle(prepared, "convert")
     gm = copy.deepcopy(prepared)
+    check_finite_weights(gm, "convert", "restore weights without NaN (after QAT: a checkpoint from before training "
+                                        "diverged, or a lower learning rate)")
     commit_weight_qparams(gm)
     quantizers = fake_quantizers(gm)
     stateful = [fq for _, fq in quantizers if isinstance(fq.calculator, StatefulQParamsCalculatorBase)]
@@ -53,6 +62,13 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
         raise ValueError(
             f"{len(missing)} activation quantizer(s) were never calibrated: {', '.join(missing)}; run "
             "coreai_opt.calibrate(prepared, data) with batches that reach them before convert"
+        )
+    waiting = [fq.name for _, fq in quantizers if fq.rounding is not None and bool(fq.rounding.awaiting_data)]
+    if waiting:
+        raise ValueError(
+            f"{len(waiting)} weight quantizer(s) round from calibration data that was never observed (or the weight "
+            f"changed since): {', '.join(waiting)}; run coreai_opt.calibrate(prepared, data) before convert, or "
+            "use a data-free weight_rounding ('rtn', 'hqq', 'mse')"
         )
     for _, fq in quantizers:
         fq.set_export_mode(True)

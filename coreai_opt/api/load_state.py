@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from coreai_opt.api._state import fake_quantizers
+from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec.fake_quantize import spec_summary
 
 __all__ = ["load_state_dict"]
@@ -30,6 +31,7 @@ def _saved_quantizer_prefixes(state_dict: Mapping[str, Any]) -> set[str]:
     return prefixes
 
 
+@public_api
 def load_state_dict(prepared: nn.Module, state_dict: Mapping[str, Any]) -> nn.Module:
     """Load ``state_dict`` into ``prepared`` after checking that every quantizer was saved with the same spec.
 

@@ -2,8 +2,9 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale → annotate →
-    insert_quantizers
+    capture (→ functionalize_inplace) → check_finite_weights → decompose_attention → classify_ops →
+    functionalize_weights → fold_batchnorm → fold_attention_scale → annotate → insert_quantizers →
+    check_activation_axes
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -22,19 +23,29 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from coreai_opt.api._state import commit_weight_qparams, fake_quantizers
+from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
+from coreai_opt.api.unmatched_config import warn_unmatched_entries
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.error_boundary import public_api
+from coreai_opt.passes.activation_axes import check_activation_axes
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
+from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.dynamic_linear_inputs import dynamic_linear_inputs
+from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
-from coreai_opt.passes.node_meta import META_KEY
+from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
+from coreai_opt.passes.node_meta import META_KEY, get_meta
 
 __all__ = ["prepare"]
+
+#: ``warnings.warn`` stack level of the user's ``prepare(...)`` line, seen from ``prepare`` (one frame for the
+#: ``public_api`` wrapper).
+_USER_STACKLEVEL = 3
 
 
 def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,6 +57,7 @@ def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return specs
 
 
+@public_api
 def prepare(
     model: nn.Module,
     config: QuantizerConfig,
@@ -55,6 +67,7 @@ def prepare(
     capture: str = "auto",
     leaf_modules: Sequence[type | str] = (),
     concrete_args: dict[str, Any] | None = None,
+    dynamic_shapes: dict[str, Any] | None = None,
     qat: bool = False,
 ) -> fx.GraphModule:
     """Return a quantization-ready copy of ``model`` (the model itself is never modified).
@@ -67,6 +80,9 @@ def prepare(
         capture: ``"auto"`` (FX, then torch.export), ``"fx"`` or ``"export"``.
         leaf_modules: Module types or qualified names FX must not trace into.
         concrete_args: Values FX specialises on (Python flags in ``forward``).
+        dynamic_shapes: Only for the torch.export capture: per-argument entries in ``torch.export``'s format replacing
+            the default (dimension 0 of every tensor input dynamic); ``{"x": None}`` keeps ``x`` at its example shape
+            (then export with ``dynamic_batch=False``).
         qat: Prepare for quantization-aware training (train mode, observers and fake quantization on).
 
     Returns:
@@ -76,7 +92,9 @@ def prepare(
     Raises:
         TypeError: ``model`` is not an nn.Module, ``config`` not a QuantizerConfig, or ``example_inputs`` not a
             tuple.
-        ValueError: capture failed (``CaptureError``) or a spec does not fit a tensor (the node is named).
+        ValueError: capture failed (``CaptureError``: also for an in-place write FX cannot replay, or a ``forward``
+            that branches on a dynamic size), a weight holds NaN, a spec does not fit a tensor, or a per-channel
+            activation quantizer's axis follows the batch size (the node / tensor is named).
 
     Example:
         >>> cfg = QuantizerConfig.presets.w8()
@@ -102,12 +120,16 @@ def prepare(
             f"{type(model).__name__} is in train mode; post-training quantization captures and calibrates it in eval "
             "mode (BatchNorm running statistics, no dropout). Call model.eval() first, or pass qat=True for QAT.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=_USER_STACKLEVEL,
         )
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
-                       concrete_args=concrete_args)
+                       concrete_args=concrete_args, dynamic_shapes=dynamic_shapes)
+    check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
+                                        "before prepare")
+    gm = decompose_attention(gm).graph_module
     gm = classify_ops(gm).graph_module
+    op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
     gm = functionalize_weights(gm).graph_module
     if config.fold_batchnorm:
         gm = fold_batchnorm(gm).graph_module
@@ -116,16 +138,12 @@ def prepare(
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
+    check_activation_axes(gm, example_inputs, kwargs)
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
-    unused = config.unused_module_name_patterns(name for name, _ in model.named_modules())
-    if unused:
-        warnings.warn(
-            f"module_name pattern(s) {unused} match no module of {type(model).__name__}; check the regex "
-            "(it must fullmatch a qualified name such as 'layer1\\.0\\.conv1')",
-            UserWarning,
-            stacklevel=2,
-        )
+    gm = insert_weight_statistics(gm).graph_module  # data-aware weight rounding observes the linears' inputs
+    warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),
+                           stacklevel=_USER_STACKLEVEL)
     commit_weight_qparams(gm)
     for _, fq in fake_quantizers(gm):
         fq.enable_observer(qat)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from torch import nn
 
 from coreai_opt.api._state import bias_quantizers, fake_quantizers
+from coreai_opt.error_boundary import public_api
 
 __all__ = ["enable_observers", "enable_fake_quant"]
 
@@ -26,6 +27,7 @@ def _quantizers(model: nn.Module, caller: str) -> list:
     return [fq for _, fq in found]
 
 
+@public_api
 def enable_observers(model: nn.Module, enabled: bool = True) -> nn.Module:
     """Switch statistics collection of every quantizer on or off; returns ``model``."""
     for fq in _quantizers(model, "enable_observers"):
@@ -33,6 +35,7 @@ def enable_observers(model: nn.Module, enabled: bool = True) -> nn.Module:
     return model
 
 
+@public_api
 def enable_fake_quant(model: nn.Module, enabled: bool = True) -> nn.Module:
     """Switch fake quantization of every quantizer (int32 bias quantizers too) on or off; returns ``model``.
 

@@ -26,7 +26,9 @@ from torch import fx
 
 from coreai_opt.api._state import fake_quantizers, graph_meta
 from coreai_opt.api.batches import as_call
+from coreai_opt.api.model_guard import exclusive_model
 from coreai_opt.config.quantizer_config import OpConfig, QuantizerConfig
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.node_meta import get_meta
 from coreai_opt.passes.op_kinds import WEIGHTED_KINDS, OpKind
 from coreai_opt.quantization.spec import FakeQuantize, PerTensor, QuantizationScheme, QuantizationSpec
@@ -56,10 +58,12 @@ class SensitivityReport:
     rows: tuple[LayerSensitivity, ...]
     all_quantized_error: float
 
+    @public_api
     def most_sensitive(self, k: int) -> list[str]:
         """Names of the ``k`` layers with the largest error."""
         return [r.layer for r in self.rows[:k]]
 
+    @public_api
     def table(self) -> str:
         """Markdown table: rank, layer, relative squared error."""
         lines = ["| rank | layer | rel. squared error |", "|---:|---|---:|"]
@@ -67,6 +71,7 @@ class SensitivityReport:
         lines.append(f"| | all layers quantized | {self.all_quantized_error:.3e} |")
         return "\n".join(lines)
 
+    @public_api
     def plot(self, path: str | Path) -> Path:
         """Save a horizontal bar chart of the errors (log scale) to ``path`` (PNG/SVG by suffix)."""
         import matplotlib
@@ -89,6 +94,7 @@ class SensitivityReport:
         return path
 
 
+@public_api
 def layer_quantizers(prepared: fx.GraphModule) -> dict[str, tuple[str, ...]]:
     """Map each quantized weighted layer's module name to its quantizer module names (weight, input).
 
@@ -133,6 +139,7 @@ def _set_enabled(quantizers: dict[str, FakeQuantize], on: Iterable[str]) -> None
         fq.enable_fake_quant(name in on)
 
 
+@public_api
 def sensitivity(prepared: fx.GraphModule, data: Iterable[Any], *, layers: Sequence[str] | None = None
                 ) -> SensitivityReport:
     """Quantize one layer at a time and measure the relative squared output error (module docstring).
@@ -159,30 +166,32 @@ def sensitivity(prepared: fx.GraphModule, data: Iterable[Any], *, layers: Sequen
         if unknown:
             raise ValueError(f"layers {unknown} are not quantized weighted layers; valid names: {sorted(groups)}")
         groups = {name: groups[name] for name in layers}
-    quantizers = {name: fq for name, fq in fake_quantizers(prepared)}
-    saved = {name: (bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for name, fq in quantizers.items()}
-    was_training = prepared.training
-    prepared.eval()
-    try:
-        for fq in quantizers.values():
-            fq.enable_observer(False)
-        _set_enabled(quantizers, ())
-        reference = _outputs(prepared, batches)
-        _set_enabled(quantizers, quantizers)
-        all_error = _relative_error(_outputs(prepared, batches), reference)
-        rows = []
-        for layer, names in groups.items():
-            _set_enabled(quantizers, names)
-            rows.append(LayerSensitivity(layer, names, _relative_error(_outputs(prepared, batches), reference)))
-    finally:
-        for name, fq in quantizers.items():
-            fq.enable_observer(saved[name][0])
-            fq.enable_fake_quant(saved[name][1])
-        prepared.train(was_training)
+    with exclusive_model(prepared, "sensitivity"):
+        quantizers = {name: fq for name, fq in fake_quantizers(prepared)}
+        saved = {name: (bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for name, fq in quantizers.items()}
+        was_training = prepared.training
+        prepared.eval()
+        try:
+            for fq in quantizers.values():
+                fq.enable_observer(False)
+            _set_enabled(quantizers, ())
+            reference = _outputs(prepared, batches)
+            _set_enabled(quantizers, quantizers)
+            all_error = _relative_error(_outputs(prepared, batches), reference)
+            rows = []
+            for layer, names in groups.items():
+                _set_enabled(quantizers, names)
+                rows.append(LayerSensitivity(layer, names, _relative_error(_outputs(prepared, batches), reference)))
+        finally:
+            for name, fq in quantizers.items():
+                fq.enable_observer(saved[name][0])
+                fq.enable_fake_quant(saved[name][1])
+            prepared.train(was_training)
     rows.sort(key=lambda r: r.error, reverse=True)
     return SensitivityReport(tuple(rows), all_error)
 
 
+@public_api
 def keep_sensitive(config: QuantizerConfig, report: SensitivityReport, k: int, mode: str = "float"
                    ) -> QuantizerConfig:
     """Return a copy of ``config`` in which the ``k`` most sensitive layers are kept at higher precision.

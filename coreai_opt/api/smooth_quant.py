@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from coreai_opt.api.batches import as_call
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.smooth_quant import SmoothingSite, apply_smoothing, find_sites
 from coreai_opt.quantization.spec import compute_qparams, get_dtype_info, quantize_dequantize
@@ -78,6 +79,7 @@ class SmoothQuantResult:
     model: fx.GraphModule
     sites: tuple[SiteReport, ...]
 
+    @public_api
     def table(self) -> str:
         """Markdown table of the sites."""
         lines = ["| input of | kind | foldable | α | applied | outlier ratio before → after |",
@@ -90,6 +92,7 @@ class SmoothQuantResult:
         return "\n".join(lines)
 
 
+@public_api
 def smoothing_scale(x_absmax: Tensor, w_absmax: Tensor, alpha: float, min_scale: float = 1.0) -> Tensor:
     """``s_j = max|X_j|^α / max|W_j|^(1−α)``, clamped to ``[min_scale, 1e5]``; 1 where either maximum is 0."""
     if not 0.0 <= alpha <= 1.0:
@@ -177,6 +180,7 @@ def _ratio(amax: Tensor) -> float:
     return float(amax.max()) / max(float(amax.median()), 1e-12)
 
 
+@public_api
 def smooth_quant(
     model: nn.Module,
     data: Iterable[Any],

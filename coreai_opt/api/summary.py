@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from coreai_opt.api._state import graph_meta
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.quantization.spec import FakeQuantize, StatefulQParamsCalculatorBase
 
@@ -46,6 +47,7 @@ class QuantizationSummary:
     quantizers: tuple[QuantizerRow, ...]
     float_ops: tuple[FloatOpRow, ...]
 
+    @public_api
     def counts(self, role: str | None = None) -> dict[str, int]:
         """Number of quantizers per op kind (optionally only ``"weight"``, ``"activation"`` or ``"bias"``)."""
         return dict(Counter(r.op_kind for r in self.quantizers if role is None or r.role == role))
@@ -92,6 +94,7 @@ def _qparams_text(module: object) -> str:
     return f"{s.numel()} scales in [{float(s.min()):.3g}, {float(s.max()):.3g}]"
 
 
+@public_api
 def summary(model: fx.GraphModule) -> QuantizationSummary:
     """Describe the quantizers and float ops of a prepared or converted model.
 

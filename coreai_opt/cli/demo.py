@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from coreai_opt.cli.console import Console
+from coreai_opt.cli.measurements import (
+    export_float_onnx,
+    initializer_bytes,
+    median_latency_ms,
+    onnx_bytes,
+    session,
+)
+
 if TYPE_CHECKING:
-    import numpy as np
     import onnxruntime as ort
     import torch
 
@@ -98,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0 when the int8 model verified in onnxruntime, 1 otherwise.
     """
-    result = run_demo(args.output_dir, use_cache=not args.no_cache)
-    print()
-    print(format_table(result))
-    print()
-    print(f"int8 model: {result.int8_path}")
+    console = getattr(args, "console", None) or Console()
+    result = run_demo(args.output_dir, use_cache=not args.no_cache, console=console)
+    console.info()
+    console.info(format_table(result))
+    console.info()
+    console.info(f"int8 model: {result.int8_path}")
     if not result.verification_ok:
         print("verification FAILED: onnxruntime disagrees with the eager quantized model", file=sys.stderr)
         return 1
@@ -116,12 +124,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coreai_opt"
 
 
-def run_demo(output_dir: Path, *, use_cache: bool = True) -> DemoResult:
+def run_demo(output_dir: Path, *, use_cache: bool = True, console: Console | None = None) -> DemoResult:
     """Train or load the digits CNN, quantize it w8a8, export, verify and measure.
 
     Args:
         output_dir: Directory for ``digits_cnn.fp32.onnx`` and ``digits_cnn.int8.onnx`` (created if missing).
         use_cache: Read and write the trained float weights in :func:`cache_dir`.
+        console: Where step lines go (default: stdout, progress bar only on a terminal).
 
     Returns:
         The measured :class:`DemoResult`.
@@ -131,12 +140,12 @@ def run_demo(output_dir: Path, *, use_cache: bool = True) -> DemoResult:
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(TORCH_THREADS)
     try:
-        return _run_demo(output_dir, use_cache)
+        return _run_demo(output_dir, use_cache, console or Console())
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run_demo(output_dir: Path, use_cache: bool) -> DemoResult:
+def _run_demo(output_dir: Path, use_cache: bool, console: Console) -> DemoResult:
     import torch
 
     import coreai_opt as co
@@ -146,41 +155,40 @@ def _run_demo(output_dir: Path, use_cache: bool) -> DemoResult:
     output_dir.mkdir(parents=True, exist_ok=True)
     split = load_digits_split(seed=SEED)
 
-    with _step("1/5", "float model"):
+    with _step(console, "1/5", "float model"):
         model, source = _load_or_train(split, cache_dir() / CACHE_FILE if use_cache else None)
         model.eval()
         float_accuracy = accuracy(model, split.x_test, split.y_test)
-        print(f"      {source}; test accuracy {float_accuracy:.2%}")
+        console.info(f"      {source}; test accuracy {float_accuracy:.2%}")
 
-    with _step("2/5", "prepare + calibrate (preset w8a8)"):
+    with _step(console, "2/5", "prepare + calibrate (preset w8a8)"):
         example = (split.x_train[:CALIBRATION_BATCH_SIZE],)
         prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), example)
         batches = [
             split.x_train[i : i + CALIBRATION_BATCH_SIZE]
             for i in range(0, CALIBRATION_BATCHES * CALIBRATION_BATCH_SIZE, CALIBRATION_BATCH_SIZE)
         ]
-        co.calibrate(prepared, batches, progress=True)
+        co.calibrate(prepared, batches, progress=console.progress)
 
-    with _step("3/5", "convert"):
+    with _step(console, "3/5", "convert"):
         converted = co.convert(prepared)
         fake_quant_accuracy = accuracy(converted, split.x_test, split.y_test)
 
-    with _step("4/5", "export ONNX (fp32 and int8 QDQ)"):
+    with _step(console, "4/5", "export ONNX (fp32 and int8 QDQ)"):
         int8_path = Path(co.export_onnx(converted, example, output_dir / "digits_cnn.int8.onnx"))
-        fp32_path = _export_float(model, example[0], output_dir / "digits_cnn.fp32.onnx")
-        print(f"      {int8_path}")
+        fp32_path = export_float_onnx(model, example, output_dir / "digits_cnn.fp32.onnx")
+        console.info(f"      {int8_path}")
 
-    with _step("5/5", "verify in onnxruntime + latency"):
+    with _step(console, "5/5", "verify in onnxruntime + latency"):
         report = co.verify_onnx(converted, int8_path, split.x_test)
-        ort_predict = _ort_predict(_session(int8_path, threads=None))
+        ort_predict = _ort_predict(session(int8_path, threads=None))
         ort_int8_accuracy = accuracy(ort_predict, split.x_test, split.y_test)
         with torch.no_grad():
             eager_top1 = converted(split.x_test).argmax(dim=1)
         ort_top1 = ort_predict(split.x_test).argmax(dim=1)
         top1_agreement = float((eager_top1 == ort_top1).float().mean())
-        fp32_session, int8_session = _session(fp32_path, threads=1), _session(int8_path, threads=1)
-        fp32_latency = {b: _median_latency_ms(fp32_session, split.x_test[:b].numpy()) for b in LATENCY_BATCHES}
-        int8_latency = {b: _median_latency_ms(int8_session, split.x_test[:b].numpy()) for b in LATENCY_BATCHES}
+        fp32_latency = {b: _latency_ms(fp32_path, split.x_test[:b]) for b in LATENCY_BATCHES}
+        int8_latency = {b: _latency_ms(int8_path, split.x_test[:b]) for b in LATENCY_BATCHES}
 
     return DemoResult(
         float_accuracy=float_accuracy,
@@ -190,10 +198,10 @@ def _run_demo(output_dir: Path, use_cache: bool) -> DemoResult:
         num_test=len(split.y_test),
         max_abs_diff=float(report.max_abs_diff),
         verification_ok=bool(report.ok),
-        fp32_bytes=_onnx_bytes(fp32_path),
-        int8_bytes=_onnx_bytes(int8_path),
-        fp32_weight_bytes=_initializer_bytes(fp32_path),
-        int8_weight_bytes=_initializer_bytes(int8_path),
+        fp32_bytes=onnx_bytes(fp32_path),
+        int8_bytes=onnx_bytes(int8_path),
+        fp32_weight_bytes=initializer_bytes(fp32_path),
+        int8_weight_bytes=initializer_bytes(int8_path),
         fp32_latency_ms=fp32_latency,
         int8_latency_ms=int8_latency,
         fp32_path=fp32_path,
@@ -241,16 +249,16 @@ def format_table(result: DemoResult) -> str:
 class _step:
     """Context manager printing ``[i/n] title ... 1.2 s`` around one demo step."""
 
-    def __init__(self, index: str, title: str) -> None:
-        self.index, self.title = index, title
+    def __init__(self, console: Console, index: str, title: str) -> None:
+        self.console, self.index, self.title = console, index, title
 
     def __enter__(self) -> None:
-        print(f"[{self.index}] {self.title}", flush=True)
+        self.console.info(f"[{self.index}] {self.title}")
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         if exc[0] is None:
-            print(f"      done in {time.perf_counter() - self.start:.1f} s", flush=True)
+            self.console.info(f"      done in {time.perf_counter() - self.start:.1f} s")
 
 
 def _load_or_train(split: Any, cache_file: Path | None) -> tuple[torch.nn.Module, str]:
@@ -266,8 +274,10 @@ def _load_or_train(split: Any, cache_file: Path | None) -> tuple[torch.nn.Module
         try:
             model.load_state_dict(torch.load(cache_file, map_location="cpu", weights_only=True))
             return model, f"loaded from cache {cache_file}"
-        except (RuntimeError, OSError, ValueError) as exc:
-            print(f"      ignoring unreadable cache {cache_file} ({type(exc).__name__}); training", file=sys.stderr)
+        except Exception as exc:  # noqa: BLE001 - a damaged cache (truncated, not a pickle, wrong keys) is retrained
+            reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}".rstrip(": ")
+            print(f"note: the cached weights {cache_file} are unreadable ({reason}); training again", file=sys.stderr)
+            torch.manual_seed(SEED)
             model = DigitsCNN()
     start = time.perf_counter()
     train_classifier(model, split, epochs=EPOCHS, lr=LEARNING_RATE, seed=SEED)
@@ -279,28 +289,6 @@ def _load_or_train(split: Any, cache_file: Path | None) -> tuple[torch.nn.Module
         tmp.replace(cache_file)
         source += f", cached in {cache_file}"
     return model, source
-
-
-def _export_float(model: torch.nn.Module, example: torch.Tensor, path: Path) -> Path:
-    """Export the float model (dynamic batch) with the dynamo exporter to one file: the fp32 baseline."""
-    import torch
-
-    dynamic_shapes = ({0: torch.export.Dim("batch")},)
-    torch.onnx.export(
-        model, (example,), str(path), dynamo=True, dynamic_shapes=dynamic_shapes, external_data=False, verbose=False
-    )
-    return path
-
-
-def _session(path: Path, threads: int | None) -> ort.InferenceSession:
-    """Open a CPU onnxruntime session; ``threads=1`` pins intra- and inter-op threads for latency runs."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if threads is not None:
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def _ort_predict(session: ort.InferenceSession) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -315,30 +303,8 @@ def _ort_predict(session: ort.InferenceSession) -> Callable[[torch.Tensor], torc
     return predict
 
 
-def _median_latency_ms(session: ort.InferenceSession, x: np.ndarray) -> float:
-    """Median wall time of one ``session.run`` in milliseconds, after a warm-up."""
-    feed = {session.get_inputs()[0].name: x}
-    for _ in range(LATENCY_WARMUP):
-        session.run(None, feed)
-    times = []
-    for _ in range(LATENCY_REPEATS):
-        start = time.perf_counter_ns()
-        session.run(None, feed)
-        times.append(time.perf_counter_ns() - start)
-    return statistics.median(times) / 1e6
-
-
-def _onnx_bytes(path: Path) -> int:
-    """Size of an ONNX model on disk, including its external-data file if there is one."""
-    data = path.with_name(path.name + ".data")
-    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
-
-
-def _initializer_bytes(path: Path) -> int:
-    """Serialized size of the model's initializers (weights, biases, scales, zero points)."""
-    import onnx
-
-    return sum(tensor.ByteSize() for tensor in onnx.load(str(path)).graph.initializer)
+def _latency_ms(path: Path, x: torch.Tensor) -> float:
+    return median_latency_ms(path, [x.numpy()], threads=1, warmup=LATENCY_WARMUP, runs=LATENCY_REPEATS).median_ms
 
 
 def _kib(n: int) -> str:

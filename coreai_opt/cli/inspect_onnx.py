@@ -19,7 +19,15 @@ from coreai_opt.cli.errors import EXIT_OK, CliError, one_line
 if TYPE_CHECKING:
     import onnx
 
+    from coreai_opt.onnx.rewrite.graph import OnnxGraph
+
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+# Storage dtypes of quantized tensors. An initializer of one of them is a quantized weight or table unless it is
+# only a zero point; embedding tables are one (their rows are gathered, then dequantized by Cast and Mul).
+QUANTIZED_TYPES = frozenset({
+    "int2", "uint2", "int4", "uint4", "int8", "uint8", "int16", "uint16",
+    "float8e4m3fn", "float8e4m3fnuz", "float8e5m2", "float8e5m2fnuz",
+})
 FLOAT_TYPES = ("float", "float16", "bfloat16", "double")
 _BITS = {
     **dict.fromkeys(("int2", "uint2"), 2),
@@ -37,7 +45,10 @@ class QdqSummary:
 
     Attributes:
         qdq: ``(op_type, zero-point dtype) -> number of nodes`` for QuantizeLinear / DequantizeLinear.
-        quantized_initializers: ``dtype -> (count, elements)`` of initializers that feed a DequantizeLinear.
+        quantized_initializers: ``dtype -> (count, elements)`` of quantized initializers: every initializer of an
+            integer / float8 storage dtype that is not only a zero point (weights and embedding tables, whose
+            gathered rows are dequantized by Cast and Mul), and every one feeding a DequantizeLinear's data input
+            (int32 biases).
         float_initializers: ``(count, elements)`` of float initializers (weights left in float, biases...).
         ops: ``op_type -> count`` over the whole top-level graph.
         opset: The default-domain opset the model imports.
@@ -131,12 +142,12 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
     Returns:
         The :class:`QdqSummary`.
     """
-    graph = model.graph
+    from coreai_opt.onnx.rewrite.graph import OnnxGraph
+
+    graph = OnnxGraph(model)
     types = _tensor_types(model)
-    initializers = {t.name: t for t in graph.initializer}
     summary = QdqSummary(opset=next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None))
-    dq_inputs: set[str] = set()
-    for node in graph.node:
+    for node in graph.nodes:
         summary.ops[node.op_type] += 1
         if node.op_type not in QDQ_OPS:
             continue
@@ -147,13 +158,11 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
         else:
             dtype = types.get(node.input[0], "unknown")
         summary.qdq[(node.op_type, dtype)] += 1
-        if node.op_type == "DequantizeLinear":
-            dq_inputs.add(node.input[0])
     quantized: dict[str, list[int]] = {}
     float_count = float_elements = 0
-    for name, tensor in initializers.items():
+    for name, tensor in {t.name: t for t in graph.initializers()}.items():
         dtype, elements = types[name], _numel(tensor)
-        if name in dq_inputs:
+        if _dequantized(graph, name) or (dtype in QUANTIZED_TYPES and _read_as_data(graph, name)):
             entry = quantized.setdefault(dtype, [0, 0])
             entry[0] += 1
             entry[1] += elements
@@ -165,6 +174,17 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
     return summary
 
 
+def _dequantized(graph: OnnxGraph, name: str) -> bool:
+    """``name`` is the data input of a ``DequantizeLinear``."""
+    return any(r.op_type == "DequantizeLinear" and r.input[0] == name for r in graph.readers(name))
+
+
+def _read_as_data(graph: OnnxGraph, name: str) -> bool:
+    """``name`` is read somewhere other than as a Q/DQ zero point (input 2)."""
+    return any(r.op_type not in QDQ_OPS or index != 2
+               for r in graph.readers(name) for index, used in enumerate(r.input) if used == name)
+
+
 def format_summary(summary: QdqSummary) -> str:
     """Render a :class:`QdqSummary` as three small plain-text tables.
 
@@ -174,15 +194,19 @@ def format_summary(summary: QdqSummary) -> str:
     lines = [f"opset {summary.opset}", "", "Q/DQ nodes by zero-point dtype"]
     dtypes = sorted({dtype for _, dtype in summary.qdq})
     rows = [(d, str(summary.qdq[("QuantizeLinear", d)]), str(summary.qdq[("DequantizeLinear", d)])) for d in dtypes]
-    lines += _table(("dtype", "QuantizeLinear", "DequantizeLinear"), rows or [("-", "0", "0")])
-    lines += ["", "initializers feeding DequantizeLinear (quantized weights, biases)"]
-    rows = [
-        (dtype, str(count), str(elements), _human_bytes(elements * _bits(dtype) // 8))
-        for dtype, (count, elements) in summary.quantized_initializers.items()
-    ]
     count, elements = summary.float_initializers
-    rows.append(("float (other)", str(count), str(elements), _human_bytes(elements * 4)))
-    lines += _table(("dtype", "count", "elements", "size"), rows)
+    float_row = ("float (other)", str(count), str(elements), _human_bytes(elements * 4))
+    if summary.qdq:
+        lines += _table(("dtype", "QuantizeLinear", "DequantizeLinear"), rows)
+        lines += ["", "quantized initializers (weights, embedding tables, int32 biases; zero points not counted)"]
+        rows = [
+            (dtype, str(count), str(elements), _human_bytes(elements * _bits(dtype) // 8))
+            for dtype, (count, elements) in summary.quantized_initializers.items()
+        ]
+        lines += _table(("dtype", "count", "elements", "size"), [*rows, float_row])
+    else:
+        lines += ["  none: this is a float model (no QuantizeLinear / DequantizeLinear nodes)", "", "initializers"]
+        lines += _table(("dtype", "count", "elements", "size"), [("float", *float_row[1:])])
     lines += ["", "ops"]
     lines += _table(("op", "count"), [(op, str(n)) for op, n in sorted(summary.ops.items(), key=lambda kv: -kv[1])])
     return "\n".join(lines)

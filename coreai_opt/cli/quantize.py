@@ -1,35 +1,48 @@
 """``coreai-opt quantize``: quantize any model to an ONNX QDQ file and write a verification report.
 
-Models come from ``module:factory`` (a dotted module path or a ``.py`` file, then ``:`` and a callable taking no
-arguments that returns an ``nn.Module``), a TorchScript file (``.pt``, ``.pth``, ``.ts``, ``.jit``) or a
-``torch.export`` file (``.pt2``). Calibration data comes from ``--calib-data`` (``.npz``: one array per model
-input, in stored order; ``.pt``: a tensor or a tuple/list of tensors), each with the sample dimension first.
-Without data, ``--input-shape`` calibrates on random normal data (with a warning: fine for checking the export,
-meaningless for accuracy).
+Models: ``module:factory`` (imported with the working directory on sys.path) or ``path/to/file.py:factory``
+(a callable taking no arguments that returns an nn.Module; this runs the file's code), a Hugging Face
+``save_pretrained`` directory (loaded offline; needs the hf extra), a TorchScript file (.pt, .pth, .ts, .jit)
+or a torch.export file (.pt2; refused when it would need an unrestricted unpickle). Model files are trusted
+code: only quantize files you trust.
 
-Outputs: ``OUTPUT.onnx``, ``OUTPUT.report.txt`` (the verification table) and ``OUTPUT.report.json``.
+Calibration data (one source): ``--calib-data`` (.npz or .pt; arrays saved by name bind to the forward()
+arguments of those names, unnamed ones by position; sample dimension first), ``--calib-text FILE`` (one sample a
+line) or ``--calib-images DIR`` for a Hugging Face directory, or random data from ``--input
+NAME:DTYPE:SHAPE[:LOW-HIGH]`` (repeatable; e.g. input_ids:int64:1,128:0-30521) or ``--input-shape`` (one float
+input). Random data warns: it checks the export, not the accuracy. A Hugging Face text model exports with the
+sequence length of ``--seq-len`` (only the batch dimension is dynamic).
+
+Outputs: ``OUTPUT.onnx``, ``OUTPUT.report.txt`` (verification table, sizes, latency, layers left float, a
+legend) and ``OUTPUT.report.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import json
-import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from coreai_opt.cli import input_specs, measurements, tuning
+from coreai_opt.cli.calibration_data import build_samples, check_data_sources, check_hf_only_options
+from coreai_opt.cli.console import Console
 from coreai_opt.cli.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, CliError, one_line
+from coreai_opt.cli.model_files import EXPORT_SUFFIX, TORCHSCRIPT_SUFFIXES, load_model
+from coreai_opt.cli.option_checks import check_opset_for_model, check_output_path
+from coreai_opt.cli.report import QuantizeReport, Sizes, write_report
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".ts", ".jit")
-EXPORT_SUFFIX = ".pt2"
 RANDOM_BATCHES = 8
+RANDOM_TEXT_SAMPLES = 32
 VERIFY_SAMPLES = 128
+DEFAULT_SEQ_LEN = 128
+DEFAULT_LATENCY_RUNS = 20
+#: ``QuantizerConfig.presets.names()``, listed here so that ``--help`` needs no torch import (a test keeps it equal).
+PRESET_NAMES = ("w8", "w4", "w8a8", "w8a8_sym", "w4a8", "w8a16", "fp8")
 
 
 def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -45,31 +58,51 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argpa
     parser = subparsers.add_parser(
         "quantize",
         parents=list(parents),
-        help="quantize a model (module:factory, TorchScript or .pt2) to ONNX QDQ and verify it",
+        help="quantize a model (module:factory, HF directory, TorchScript or .pt2) to ONNX QDQ and verify it",
         description=__doc__.split("\n\n", 1)[1].replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="module:factory, path/to/file.py:factory, model.pt (TorchScript) or model.pt2")
-    parser.add_argument("--calib-data", type=Path, help="calibration inputs: .npz or .pt, sample dimension first")
-    parser.add_argument(
-        "--input-shape",
-        type=_parse_shape,
-        help="shape of one batch, e.g. 1,3,224,224: checks --calib-data, or calibrates on random data without it",
-    )
+    parser.add_argument("model", help="module:factory, path/to/file.py:factory, a save_pretrained directory, "
+                        "model.pt (TorchScript) or model.pt2")
+    data = parser.add_argument_group("calibration data (give one source)")
+    data.add_argument("--calib-data", type=Path, help=".npz or .pt: arrays by forward() argument name (or in "
+                      "order), sample dimension first")
+    data.add_argument("--input", dest="inputs", action="append", type=input_specs.parse_input_spec,
+                      metavar="NAME:DTYPE:SHAPE[:LOW-HIGH]", help="random data for one input, e.g. "
+                      "input_ids:int64:1,128:0-30521 (repeat per input; first dimension = batch)")
+    data.add_argument("--input-shape", type=_parse_shape, help="shape of one batch of a single float input, e.g. "
+                      "1,3,224,224: random data, or a check of --calib-data")
+    data.add_argument("--calib-text", type=Path, metavar="FILE", help="Hugging Face text model: one sample a line")
+    data.add_argument("--calib-images", type=Path, metavar="DIR", help="Hugging Face image model: a folder of "
+                      "images (png, jpg, bmp, webp)")
+    data.add_argument("--seq-len", type=int, help=f"tokens per sample of a Hugging Face text model (default "
+                      f"{DEFAULT_SEQ_LEN}); the ONNX file has this fixed sequence length")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--preset", default="w8a8", help="QuantizerConfig preset name (default: w8a8)")
+    group.add_argument("--preset", default="w8a8", metavar="NAME",
+                       help=f"QuantizerConfig preset: {', '.join(PRESET_NAMES)} (default: w8a8)")
     group.add_argument("--config", type=Path, help="QuantizerConfig YAML file (instead of --preset)")
     parser.add_argument("-o", "--output", type=Path, help="output .onnx path (default: ./<model>.<preset>.onnx)")
     parser.add_argument("--batch-size", type=int, default=32, help="calibration batch size (default: 32)")
     parser.add_argument("--max-batches", type=int, help="calibrate on at most this many batches")
-    parser.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's choice for the dtypes)")
+    parser.add_argument("--opset", type=int, help="ONNX opset, 18 to 23 (default: the lowest the model allows)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random calibration data (default: 0)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the calibration progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="hide the calibration progress bar (it is "
+                        "only drawn when stderr is a terminal)")
+    parser.add_argument("--latency-runs", type=int, default=DEFAULT_LATENCY_RUNS, help="onnxruntime runs per "
+                        f"file for the fp32-vs-quantized latency (default {DEFAULT_LATENCY_RUNS}; 0 skips the "
+                        "fp32 baseline export, its sizes and the latency)")
+    tune = parser.add_argument_group("tuning (see README: Tuning tools)")
+    tune.add_argument("--smoothquant", nargs="?", const=0.5, type=tuning.parse_alpha, metavar="ALPHA",
+                      help="SmoothQuant before quantizing: migration strength in [0, 1] or 'search' (default 0.5)")
+    tune.add_argument("--search-calibration", action="store_true", help="choose the activation range calculator "
+                      "(minmax, percentile, mse, entropy) per quantizer by its output error")
+    tune.add_argument("--keep-float-top", type=int, metavar="K", help="keep the K layers whose quantization hurts "
+                      "the output most in float (measured by per-layer sensitivity)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Quantize, export and verify; write the report next to the ONNX file.
+    """Check every option, then quantize, export and verify; write the report next to the ONNX file.
 
     Args:
         args: Parsed ``quantize`` arguments.
@@ -80,46 +113,93 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         CliError: For any input the user has to fix.
     """
-    if args.batch_size < 1:
-        raise CliError(f"--batch-size must be >= 1, got {args.batch_size}")
+    import coreai_opt as co
+
+    console: Console = getattr(args, "console", None) or Console()
+    _check_numbers(args)
     config, config_name = load_config(args.preset, args.config)
-    samples = load_calibration_data(args.calib_data, args.input_shape, seed=args.seed)
-    model, model_name = load_model(args.model, example_inputs=tuple(t[: args.batch_size] for t in samples))
+    check_data_sources(args)
+    output = args.output or Path(f"{default_model_name(args.model)}.{config_name}.onnx")
+    check_output_path(output)
+
+    loaded = load_model(args.model, seq_len=args.seq_len or DEFAULT_SEQ_LEN)
+    check_hf_only_options(args, loaded)
+    samples, names, calibration = build_samples(args, loaded, random_batches=RANDOM_BATCHES,
+                                                random_text_samples=RANDOM_TEXT_SAMPLES)
+    model = loaded.ready(tuple(t[: args.batch_size] for t in samples))
     # Graphs loaded from TorchScript or .pt2 files may have a fixed batch size: calibrate in whole batches of it.
     static_batch = static_batch_size(model)
     batches = make_batches(samples, static_batch or args.batch_size, drop_last=static_batch is not None)
-    check_inputs_fit(model, batches[0])
-    if args.calib_data is None:
-        print(
-            f"warning: no --calib-data: calibrating on {RANDOM_BATCHES} batches of random normal data of shape "
-            f"{args.input_shape}; the export is checked but the accuracy of this model means nothing",
-            file=sys.stderr,
-        )
+    if args.max_batches is not None:
+        batches = batches[: args.max_batches]
+    check_inputs_fit(model, batches[0], names)
 
-    import coreai_opt as co
-
-    prepared = co.prepare(model, config, batches[0])
-    co.calibrate(prepared, batches, max_batches=args.max_batches, progress=not args.no_progress)
+    progress = console.progress and not args.no_progress
+    tuning_notes: dict[str, Any] = {}
+    capture = "export" if loaded.kind == "huggingface" else "auto"
+    if args.smoothquant is not None:
+        model, tuning_notes["smoothquant"] = tuning.smooth(model, batches, args.smoothquant)
+        capture = "export"
+    if args.keep_float_top:
+        config, kept = tuning.keep_float_top(model, config, batches, args.keep_float_top, capture, progress)
+        tuning_notes["kept float (most sensitive first)"] = kept
+    prepared = co.prepare(model, config, batches[0], capture=capture)
+    opset = check_opset_for_model(args.opset, prepared, console)
+    if calibration.startswith("random"):
+        console.warn(f"no calibration data: calibrating on {calibration}; the export is checked but the accuracy "
+                     "of this model means nothing")
+    co.calibrate(prepared, batches, progress=progress)
+    if args.search_calibration:
+        tuning_notes["range calculators chosen"] = tuning.search(prepared, batches)
     converted = co.convert(prepared)
 
-    output = args.output or Path(f"{model_name}.{config_name}.onnx")
     output.parent.mkdir(parents=True, exist_ok=True)
-    output = Path(co.export_onnx(converted, batches[0], output, opset=args.opset, dynamic_batch=static_batch is None))
+    output = Path(co.export_onnx(converted, batches[0], output, opset=opset, dynamic_batch=static_batch is None,
+                                 input_names=list(names)))
     verify_inputs = (
-        batches[: max(1, VERIFY_SAMPLES // static_batch)]
-        if static_batch
+        batches[: max(1, VERIFY_SAMPLES // static_batch)] if static_batch
         else tuple(t[:VERIFY_SAMPLES] for t in samples)
     )
-    report = co.verify_onnx(converted, output, verify_inputs)
-
-    text_path, json_path = write_report(report, output, model=args.model, config=config_name, samples=samples)
-    print(report)
-    print(f"wrote {output}")
-    print(f"wrote {text_path} and {json_path}")
-    if not report.ok:
-        print("verification FAILED: onnxruntime disagrees with the eager quantized model", file=sys.stderr)
+    verification = co.verify_onnx(converted, output, verify_inputs)
+    report = QuantizeReport(
+        model=args.model, config=config_name, onnx=output, opset=opset,
+        inputs=[{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "batch_shape": list(b.shape),
+                 "samples_shape": list(t.shape)} for n, t, b in zip(names, samples, batches[0], strict=True)],
+        calibration=calibration, verification=verification,
+        float_layers=[{"node": f.node, "module": f.module, "op_kind": f.op_kind, "reason": f.reason}
+                      for f in co.summary(converted).float_ops],
+        tuning=tuning_notes,
+    )
+    _measure_baseline(report, model, batches[0], names, static_batch, args.latency_runs)
+    text_path, json_path = write_report(report)
+    console.info(str(verification))
+    console.info()
+    console.info("\n".join(report.size_lines()))
+    console.info(f"layers left float: {len(report.float_layers)} (listed in the report)")
+    console.info(f"wrote {output}")
+    console.info(f"wrote {text_path} and {json_path}")
+    if not verification.ok:
+        console.warn("verification FAILED: onnxruntime disagrees with the eager quantized model")
         return EXIT_VERIFICATION_FAILED
     return EXIT_OK
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--max-batches", args.max_batches, 1),
+                             ("--seq-len", args.seq_len, 1), ("--keep-float-top", args.keep_float_top, 1),
+                             ("--latency-runs", args.latency_runs, 0)):
+        if value is not None and value < low:
+            raise CliError(f"{flag} must be >= {low}, got {value}")
+
+
+def default_model_name(spec: str) -> str:
+    """The short model name used in default output files (``dir/bert`` -> ``bert``, ``f.py:make`` -> ``make``)."""
+    path = Path(spec)
+    if path.is_dir():
+        return path.resolve().name
+    if path.suffix in (*TORCHSCRIPT_SUFFIXES, EXPORT_SUFFIX):
+        return path.stem
+    return spec.rpartition(":")[2] or path.stem
 
 
 def load_config(preset: str, config_path: Path | None) -> tuple[Any, str]:
@@ -145,90 +225,6 @@ def load_config(preset: str, config_path: Path | None) -> tuple[Any, str]:
     if preset not in names:
         raise CliError(f"unknown preset {preset!r}; choose one of: {', '.join(names)}")
     return QuantizerConfig.presets.get(preset)(), preset
-
-
-def load_model(spec: str, example_inputs: tuple[torch.Tensor, ...]) -> tuple[nn.Module, str]:
-    """Load a model from ``module:factory``, ``file.py:factory``, a TorchScript file or a ``.pt2`` file.
-
-    Args:
-        spec: The model argument of the command line.
-        example_inputs: A batch of inputs, needed to convert TorchScript to a ``torch.export`` program (whose
-            batch size it fixes).
-
-    Returns:
-        ``(model, name)``: the float ``nn.Module`` (in eval mode; a graph loaded from a file keeps the mode it was
-        exported in, since ``torch.export`` modules cannot switch) and a short name for default output files.
-
-    Raises:
-        CliError: Missing file, module or attribute, or a factory that does not return an ``nn.Module``.
-    """
-    from torch import nn
-
-    path = Path(spec)
-    if path.suffix in (*TORCHSCRIPT_SUFFIXES, EXPORT_SUFFIX):
-        if not path.is_file():
-            raise CliError(f"model file not found: {spec}")
-        model = _load_exported(path) if path.suffix == EXPORT_SUFFIX else _load_torchscript(path, example_inputs)
-        return model, path.stem
-    module_part, sep, factory_name = spec.rpartition(":")
-    if not sep or not module_part or not factory_name.isidentifier():
-        raise CliError(
-            f"cannot read model {spec!r}: expected module:factory, path/to/file.py:factory, "
-            f"a TorchScript file ({', '.join(TORCHSCRIPT_SUFFIXES)}) or a torch.export file (.pt2)"
-        )
-    module = _import_module(module_part)
-    factory = getattr(module, factory_name, None)
-    if factory is None:
-        raise CliError(f"{module_part!r} has no attribute {factory_name!r}")
-    if not callable(factory):
-        raise CliError(f"{spec!r} is not callable")
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise CliError(f"{spec}() returned {type(model).__name__}, expected a torch.nn.Module")
-    return model.eval(), factory_name
-
-
-def load_calibration_data(
-    path: Path | None, input_shape: tuple[int, ...] | None, *, seed: int = 0
-) -> tuple[torch.Tensor, ...]:
-    """Read calibration inputs (one tensor per model input, sample dimension first) or make random ones.
-
-    Args:
-        path: ``.npz`` or ``.pt`` file, or ``None`` for random data.
-        input_shape: Shape of one batch; required without ``path`` (then ``RANDOM_BATCHES`` batches of random
-            normal data are made), checked against the data with it.
-        seed: Seed of the random data.
-
-    Returns:
-        One tensor per model input, all with the same number of samples.
-
-    Raises:
-        CliError: Missing or unreadable file, inconsistent sample counts, or a shape that contradicts
-            ``input_shape``.
-    """
-    import torch
-
-    if path is None:
-        if input_shape is None:
-            raise CliError("give --calib-data FILE (.npz or .pt) or --input-shape (e.g. 1,3,224,224)")
-        generator = torch.Generator().manual_seed(seed)
-        shape = (input_shape[0] * RANDOM_BATCHES, *input_shape[1:])
-        return (torch.randn(shape, generator=generator),)
-    if not path.is_file():
-        raise CliError(f"calibration data not found: {path}")
-    tensors = _read_tensors(path)
-    if not tensors:
-        raise CliError(f"{path} holds no arrays")
-    counts = {len(t) if t.dim() else 0 for t in tensors}
-    if len(counts) != 1 or 0 in counts:
-        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-        raise CliError(f"shape mismatch in {path}: every input needs the same number of samples first, got {shapes}")
-    if input_shape is not None and tuple(tensors[0].shape[1:]) != tuple(input_shape[1:]):
-        raise CliError(
-            f"shape mismatch: {path} has samples of shape {tuple(tensors[0].shape[1:])} "
-            f"but --input-shape gives {tuple(input_shape[1:])}"
-        )
-    return tensors
 
 
 def static_batch_size(model: nn.Module) -> int | None:
@@ -278,7 +274,10 @@ def make_batches(
     return [tuple(t[i : i + batch_size] for t in samples) for i in range(0, stop, batch_size)]
 
 
-def check_inputs_fit(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
+_DTYPE_ERROR_WORDS = ("scalar type", "Long, Int", "dtype", "Expected object of scalar type", "must be Long")
+
+
+def check_inputs_fit(model: nn.Module, batch: tuple[torch.Tensor, ...], names: tuple[str, ...] = ()) -> None:
     """Run the float model on one batch so that a shape or dtype mismatch fails with one clear message.
 
     Raises:
@@ -290,39 +289,38 @@ def check_inputs_fit(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
         with torch.no_grad():
             model(*batch)
     except Exception as exc:  # noqa: BLE001 - any failure here means the data does not fit the model
+        message = one_line(exc)
         shapes = ", ".join(f"{tuple(t.shape[1:])} {str(t.dtype).removeprefix('torch.')}" for t in batch)
+        if any(word in message for word in _DTYPE_ERROR_WORDS) and any(t.is_floating_point() for t in batch):
+            named = ", ".join(f"{n} {str(t.dtype).removeprefix('torch.')}" for n, t in zip(names, batch, strict=False))
+            raise CliError(
+                f"dtype mismatch: the model rejects the calibration inputs ({named or shapes}): {message[:300]}; an "
+                "input that holds token ids must be int64: --input NAME:int64:SHAPE:LOW-HIGH (e.g. "
+                "input_ids:int64:1,128:0-30521) or an int64 array in --calib-data"
+            ) from None
         raise CliError(
-            f"shape mismatch: the model rejects calibration samples of shape {shapes}: {one_line(exc)}"
+            f"shape mismatch: the model rejects calibration samples of shape {shapes}: {message[:300]}"
         ) from None
 
 
-def write_report(
-    report: Any, output: Path, *, model: str, config: str, samples: tuple[torch.Tensor, ...]
-) -> tuple[Path, Path]:
-    """Write ``OUTPUT.report.txt`` (the verification table) and ``OUTPUT.report.json`` next to the model.
-
-    Returns:
-        The text and JSON paths.
-    """
-    stem = output.with_suffix("")
-    text_path = stem.with_name(stem.name + ".report.txt")
-    json_path = stem.with_name(stem.name + ".report.json")
-    text_path.write_text(f"model: {model}\nconfig: {config}\nonnx: {output}\n\n{report}\n")
-    summary = {
-        "model": model,
-        "config": config,
-        "onnx": str(output),
-        "calibration_inputs": [list(t.shape) for t in samples],
-        "ok": bool(report.ok),
-        "max_abs_diff": float(report.max_abs_diff),
-        "argmax_agreement": None if report.argmax_agreement is None else float(report.argmax_agreement),
-        "bit_exact": bool(report.bit_exact),
-        "num_samples": int(report.num_samples),
-        "integer_compute": dict(report.fusion.integer_compute),
-        "float_compute": dict(report.fusion.float_compute),
-    }
-    json_path.write_text(json.dumps(summary, indent=2) + "\n")
-    return text_path, json_path
+def _measure_baseline(report: QuantizeReport, model: nn.Module, batch: tuple[torch.Tensor, ...],
+                      names: tuple[str, ...], static_batch: int | None, runs: int) -> None:
+    """Fill the report's sizes and latency: quantized file always, fp32 baseline and latency unless ``runs == 0``."""
+    report.quantized_sizes = Sizes(measurements.onnx_bytes(report.onnx), measurements.initializer_bytes(report.onnx))
+    if runs == 0:
+        report.baseline_note = "fp32 baseline and latency skipped (--latency-runs 0)"
+        return
+    latency_batch = [t[: static_batch or 1].numpy() for t in batch]
+    report.quantized_latency = measurements.median_latency_ms(report.onnx, latency_batch, runs=runs)
+    with tempfile.TemporaryDirectory(prefix="coreai_opt_fp32_") as tmp:
+        fp32 = Path(tmp) / "fp32.onnx"
+        try:
+            measurements.export_float_onnx(model, batch, fp32, input_names=names, dynamic_batch=static_batch is None)
+        except Exception as exc:  # noqa: BLE001 - the baseline is a courtesy; its failure must not fail the run
+            report.baseline_note = f"the fp32 baseline did not export ({one_line(exc)[:160]})"
+            return
+        report.fp32_sizes = Sizes(measurements.onnx_bytes(fp32), measurements.initializer_bytes(fp32))
+        report.fp32_latency = measurements.median_latency_ms(fp32, latency_batch, runs=runs)
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -333,69 +331,3 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     if not shape or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1,3,224,224, got {text!r}")
     return shape
-
-
-def _import_module(name: str) -> Any:
-    """Import a dotted module name or a ``.py`` file path."""
-    if name.endswith(".py") or "/" in name or "\\" in name:
-        path = Path(name)
-        if not path.is_file():
-            raise CliError(f"model file not found: {name}")
-        spec = importlib.util.spec_from_file_location(f"_coreai_opt_user_{path.stem}", path)
-        if spec is None or spec.loader is None:
-            raise CliError(f"cannot import {name}: not a Python source file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        raise CliError(f"cannot import module {name!r}: {exc}") from None
-
-
-def _read_tensors(path: Path) -> tuple[torch.Tensor, ...]:
-    """Read a ``.npz`` (arrays in stored order) or ``.pt`` (tensor, or tuple/list of tensors) file."""
-    import numpy as np
-    import torch
-
-    if path.suffix == ".npz":
-        try:
-            with np.load(path) as data:
-                return tuple(torch.from_numpy(np.ascontiguousarray(data[key])) for key in data.files)
-        except (OSError, ValueError) as exc:
-            raise CliError(f"cannot read {path} as .npz: {one_line(exc)}") from None
-    if path.suffix in (".pt", ".pth"):
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - torch.load raises many types for a bad file
-            raise CliError(f"cannot read {path} with torch.load: {one_line(exc)}") from None
-        items = (obj,) if isinstance(obj, torch.Tensor) else obj
-        if not isinstance(items, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in items):
-            raise CliError(f"{path} must hold a tensor or a tuple/list of tensors, got {type(obj).__name__}")
-        return tuple(items)
-    raise CliError(f"unsupported calibration file {path}: use .npz or .pt")
-
-
-def _load_exported(path: Path) -> nn.Module:
-    import torch
-
-    try:
-        return torch.export.load(path).module()
-    except Exception as exc:  # noqa: BLE001 - a corrupt archive raises many types
-        raise CliError(f"cannot load {path} with torch.export.load: {one_line(exc)}") from None
-
-
-def _load_torchscript(path: Path, example_inputs: tuple[torch.Tensor, ...]) -> nn.Module:
-    """Load TorchScript and convert it to a ``torch.export`` graph, which the quantization passes can read.
-
-    torch's own error for ``torch.export.export(script_module)`` points to ``TS2EPConverter`` for this.
-    """
-    import torch
-    from torch._export.converter import TS2EPConverter
-
-    try:
-        script = torch.jit.load(str(path), map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - a corrupt archive raises many types
-        raise CliError(f"cannot load {path} with torch.jit.load: {one_line(exc)}") from None
-    return TS2EPConverter(script, example_inputs).convert().module()

@@ -45,7 +45,6 @@ whole fields); editing the dicts in place bypasses validation.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -53,10 +52,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 
+from coreai_opt.config.module_types import normalize_module_type, qualified_name
+from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec import QuantizationSpec
 
 __all__ = ["OP_KINDS", "UNSET", "OpConfig", "QuantizerConfig", "ResolvedSpecs", "normalize_module_type"]
@@ -184,54 +184,6 @@ def _require_mapping(data: Any, where: str) -> Mapping[str, Any]:
     return data
 
 
-def _qualified_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _import_class(name: str) -> type | None:
-    """Import ``"pkg.mod.Class"`` (or ``"pkg.mod.Outer.Inner"``); None when no prefix imports to a class."""
-    parts = name.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[split:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            return None
-        return obj if isinstance(obj, type) else None
-    return None
-
-
-def normalize_module_type(key: type | str) -> str:
-    """Return the canonical ``module_type`` key: the class's ``__module__ + "." + __qualname__``.
-
-    Args:
-        key: A ``torch.nn.Module`` subclass, or the fully qualified name of one. Aliases resolve by import:
-            ``"torch.nn.Conv2d"`` -> ``"torch.nn.modules.conv.Conv2d"``.
-
-    Raises:
-        ValueError: A string that does not import to a class (short names like ``"Conv2d"`` included).
-        TypeError: Neither a class nor a string, or a class that is not a ``torch.nn.Module`` subclass.
-    """
-    if isinstance(key, str):
-        cls = _import_class(key) if "." in key else None
-        if cls is None:
-            raise ValueError(
-                f"module_type key {key!r} does not import to a class; use a fully qualified class name such as "
-                "'torch.nn.Conv2d' or pass the class itself"
-            )
-    elif isinstance(key, type):
-        cls = key
-    else:
-        raise TypeError(f"module_type key must be a class or a fully qualified class name, got {key!r}")
-    if not issubclass(cls, torch.nn.Module):
-        raise TypeError(f"module_type key {key!r} names {_qualified_name(cls)}, which is not a torch.nn.Module")
-    return _qualified_name(cls)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # OpConfig
 # --------------------------------------------------------------------------------------------------------------
@@ -261,6 +213,7 @@ class OpConfig(BaseModel):
     def _coerce_spec(cls, value: Any, info: Any) -> QuantizationSpec | None:
         return _spec_from_value(value, f"OpConfig.{info.field_name}")
 
+    @public_api
     def is_set(self, field: Literal["weight", "activation"]) -> bool:
         """Return True when ``field`` was given explicitly (as a spec or as None).
 
@@ -271,11 +224,13 @@ class OpConfig(BaseModel):
             raise ValueError(f"OpConfig has no field {field!r}; use 'weight' or 'activation'")
         return field in self.model_fields_set
 
+    @public_api
     def to_dict(self) -> dict[str, Any]:
         """Return a plain dict holding only the set fields (an unset field is absent, a float one is None)."""
         return {f: _spec_to_dict(getattr(self, f)) for f in _SPEC_FIELDS if self.is_set(f)}
 
     @classmethod
+    @public_api
     def from_dict(cls, data: Mapping[str, Any]) -> OpConfig:
         """Build from :meth:`to_dict` output; absent keys stay unset.
 
@@ -411,6 +366,7 @@ class QuantizerConfig(BaseModel):
 
     # ---- chainable setters ---------------------------------------------------------------------------------
 
+    @public_api
     def set_global(
         self,
         *,
@@ -432,6 +388,7 @@ class QuantizerConfig(BaseModel):
             self.activation = activation
         return self
 
+    @public_api
     def set_op_kind(self, kind: str, config: OpConfig | None) -> QuantizerConfig:
         """Set (or replace) the entry for op kind ``kind``; None keeps that kind entirely in float.
 
@@ -444,6 +401,7 @@ class QuantizerConfig(BaseModel):
         self.op_kind = self._with_entry(self.op_kind, _validate_op_kind(kind), config)
         return self
 
+    @public_api
     def set_module_type(self, module_type: type | str, config: OpConfig | None) -> QuantizerConfig:
         """Set (or replace) the entry for a module class (subclasses match too); None keeps it in float.
 
@@ -457,6 +415,7 @@ class QuantizerConfig(BaseModel):
         self.module_type = self._with_entry(self.module_type, normalize_module_type(module_type), config)
         return self
 
+    @public_api
     def set_module_name(self, pattern: str, config: OpConfig | None) -> QuantizerConfig:
         """Set (or replace) the entry for module names that ``re.fullmatch`` ``pattern``; None keeps them float.
 
@@ -479,6 +438,7 @@ class QuantizerConfig(BaseModel):
 
     # ---- resolution ------------------------------------------------------------------------------------------
 
+    @public_api
     def resolve(self, op_kind: str, module_name: str | None, module_type: type | None) -> ResolvedSpecs:
         """Decide the weight and activation specs of one op.
 
@@ -514,7 +474,7 @@ class QuantizerConfig(BaseModel):
                     candidates.append((f"module_name:'{pattern}'", entry))
         if module_type is not None:
             for cls in module_type.__mro__:
-                key = _qualified_name(cls)
+                key = qualified_name(cls)
                 if key in self.module_type:
                     candidates.append((f"module_type:{key}", self.module_type[key]))
         if op_kind in self.op_kind:
@@ -540,6 +500,7 @@ class QuantizerConfig(BaseModel):
                 return getattr(entry, field), source
         raise AssertionError("the global candidate always sets both fields")  # pragma: no cover
 
+    @public_api
     def unused_module_name_patterns(self, names: Iterable[str]) -> list[str]:
         """Return the ``module_name`` patterns that fullmatch none of ``names`` (in config order).
 
@@ -554,8 +515,31 @@ class QuantizerConfig(BaseModel):
         name_list = list(names)
         return [p for p in self.module_name if not any(re.fullmatch(p, n) for n in name_list)]
 
+    @public_api
+    def unused_module_types(self, classes: Iterable[type]) -> list[str]:
+        """Return the ``module_type`` keys that are neither of ``classes`` nor a base class of one (config order).
+
+        Args:
+            classes: The classes of every module of the model (``{type(m) for m in model.modules()}``).
+        """
+        present = {qualified_name(base) for cls in classes for base in cls.__mro__}
+        return [key for key in self.module_type if key not in present]
+
+    @public_api
+    def unused_op_kinds(self, kinds: Iterable[str]) -> list[str]:
+        """Return the ``op_kind`` keys not among ``kinds`` (the op kinds of the model's nodes), in config order.
+
+        Raises:
+            TypeError: ``kinds`` is a single string.
+        """
+        if isinstance(kinds, str):
+            raise TypeError("unused_op_kinds expects an iterable of op kinds, not a single string")
+        present = {k.value if isinstance(k, Enum) else k for k in kinds}
+        return [key for key in self.op_kind if key not in present]
+
     # ---- serialisation ---------------------------------------------------------------------------------------
 
+    @public_api
     def to_dict(self) -> dict[str, Any]:
         """Return a plain JSON/YAML-able dict; :meth:`from_dict` rebuilds an equal config.
 
@@ -580,6 +564,7 @@ class QuantizerConfig(BaseModel):
         return {k: None if v is None else v.to_dict() for k, v in level.items()}
 
     @classmethod
+    @public_api
     def from_dict(cls, data: Mapping[str, Any]) -> QuantizerConfig:
         """Build from a plain dict (the :meth:`to_dict` layout); absent keys take their defaults.
 
@@ -593,6 +578,7 @@ class QuantizerConfig(BaseModel):
         return cls.model_validate(dict(data))
 
     @classmethod
+    @public_api
     def from_yaml(cls, path_or_text: str | os.PathLike[str]) -> QuantizerConfig:
         """Build from YAML text or a YAML file (the :meth:`to_dict` layout).
 
@@ -623,11 +609,13 @@ class QuantizerConfig(BaseModel):
             )
         return cls.from_dict(data)
 
+    @public_api
     def to_yaml(self) -> str:
         """Return :meth:`to_dict` as YAML text (key order kept)."""
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
+    @public_api
     def from_preset(cls, name: str) -> QuantizerConfig:
         """Build the preset called ``name`` with its default options (``"w8a8"``, ``"w4"``, ...).
 

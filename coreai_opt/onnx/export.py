@@ -14,6 +14,8 @@ post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per
 7. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
 8. ``drop_zero_biases``: drop all-zero conv / gemm biases;
 9. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
+10. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
+    kernels it has no 4-bit form of;
 
 -> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
 (:mod:`coreai_opt.onnx.rewrite.report`) -> keep only the ``namespace`` entry of the exporter's per-node debug
@@ -32,7 +34,9 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx import rewrite
+from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
 from coreai_opt.onnx.rewrite.report import record_report
@@ -87,8 +91,17 @@ def _names(given: Sequence[str] | None, default: list[str], count: int, what: st
 def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     with torch.no_grad():
         outputs = model(*inputs)
-    leaves = torch.utils._pytree.tree_leaves(outputs)
-    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+    pytree = torch.utils._pytree
+    leaves = pytree.tree_flatten_with_path(outputs)[0]
+    others = [(pytree.keystr(path), value) for path, value in leaves if not isinstance(value, torch.Tensor)]
+    if others:
+        where, value = others[0]
+        raise TypeError(
+            f"output{where} of the model is {value!r} ({type(value).__name__}), and an ONNX graph returns only tensors"
+            f"{f' ({len(others)} such outputs)' if len(others) > 1 else ''}; return only tensors from forward "
+            "(drop the non-tensor output, or wrap the model in a module that does)"
+        )
+    if not leaves:
         raise TypeError(f"the model must return a tensor or a (nested) tuple of tensors, got {type(outputs).__name__}")
     return len(leaves)
 
@@ -184,6 +197,7 @@ def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None
         )
 
 
+@public_api
 def export_onnx(
     model: nn.Module,
     example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
@@ -238,12 +252,14 @@ def export_onnx(
     path = check_output_path(path)
     quantizers = converted_quantizers(model)
     inputs = _as_input_tuple(example_inputs)
+    check_export_inputs(model, inputs)
     _refuse_bfloat16(model, inputs)
     chosen_opset = select_opset(quantizer_uses(quantizers), opset, preferred=preferred_opset(model))
     in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
     num_outputs = _count_outputs(model, inputs)
     default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]
     out_names = _names(output_names, default_out, num_outputs, "output_names")
+    check_io_names(in_names, out_names)
 
     model_proto = _export_proto(model, inputs, chosen_opset, dynamic_batch, in_names, out_names)
     if dynamic_batch:

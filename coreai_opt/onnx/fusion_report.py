@@ -21,9 +21,10 @@ from pathlib import Path
 
 import onnx
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.rewrite.report import RewriteReport, read_report
 
-__all__ = ["FusionReport", "fusion_report", "INTEGER_COMPUTE_OPS", "FLOAT_COMPUTE_OPS"]
+__all__ = ["FusionReport", "fusion_report", "optimized_model", "INTEGER_COMPUTE_OPS", "FLOAT_COMPUTE_OPS"]
 
 #: Node types (any domain) that run a convolution or matrix product on integer data.
 INTEGER_COMPUTE_OPS: frozenset[str] = frozenset(
@@ -110,19 +111,34 @@ def _format_counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{op} x{n}" for op, n in sorted(counts.items()))
 
 
-def _optimized_model(path: Path) -> onnx.ModelProto:
+def optimized_model(path: str | Path, level: str = "extended") -> onnx.ModelProto:
+    """The graph onnxruntime's CPU provider runs for the model at ``path``, read back from its optimized dump.
+
+    Args:
+        path: An ONNX file.
+        level: ``"extended"`` (the QDQ fusions; a portable graph) or ``"all"`` (onnxruntime's default session
+            level: adds layout rewrites such as NCHWc; what ``verify_onnx``'s session runs).
+
+    Returns:
+        The optimized model (weights not loaded).
+    """
     import onnxruntime as ort
 
+    optimization = ort.GraphOptimizationLevel
+    levels = {"extended": optimization.ORT_ENABLE_EXTENDED, "all": optimization.ORT_ENABLE_ALL}
+    if level not in levels:
+        raise ValueError(f"level must be one of {sorted(levels)}, got {level!r}")
     with tempfile.TemporaryDirectory(prefix="coreai_opt_fusion_") as tmp:
         optimized = Path(tmp) / "optimized.onnx"
         options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        options.graph_optimization_level = levels[level]
         options.optimized_model_filepath = str(optimized)
         options.log_severity_level = 3
         ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         return onnx.load(str(optimized), load_external_data=False)
 
 
+@public_api
 def fusion_report(path: str | Path) -> FusionReport:
     """Let onnxruntime (CPU provider) optimize the model at ``path`` and count what became integer kernels.
 
@@ -139,7 +155,7 @@ def fusion_report(path: str | Path) -> FusionReport:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"fusion_report: no ONNX file at {path}; pass the path export_onnx returned")
-    graph = _optimized_model(path).graph
+    graph = optimized_model(path).graph
     counts = Counter(node.op_type for node in graph.node)
     integer = {op: n for op, n in counts.items() if op in INTEGER_COMPUTE_OPS}
     floating = {op: n for op, n in counts.items() if op in FLOAT_COMPUTE_OPS}

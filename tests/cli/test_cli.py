@@ -281,7 +281,7 @@ def test_quantize_random_data_from_pt2_warns_and_exports(capsys, tmp_path, model
     output = tmp_path / "small_random.onnx"
     code, out, err = _run(capsys, "quantize", str(pt2), "--input-shape", "4,3,8,8", "-o", str(output), "--no-progress")
     assert code == 0, err
-    assert "warning: no --calib-data" in err
+    assert "warning: no calibration data: calibrating on random normal data" in err
     assert output.is_file()
     # the exported program has a fixed batch of 4: calibration and verification used whole batches of 4
     assert json.loads(output.with_name("small_random.report.json").read_text())["num_samples"] == 32
@@ -367,6 +367,46 @@ def test_summarize_qdq_counts_by_zero_point_dtype(tmp_path):
     assert summary.opset == 21
 
 
+def _gathered_int8_table(path: Path) -> Path:
+    """An int8 embedding table whose gathered rows are dequantized by Cast and Mul (no DequantizeLinear)."""
+    inits = [
+        nh.from_array(np.arange(40, dtype=np.int8).reshape(10, 4), "table_q"),
+        nh.from_array(np.full((10, 1), 0.5, np.float32), "row_scale"),
+    ]
+    nodes = [
+        oh.make_node("Gather", ["table_q", "ids"], ["rows_q"]),
+        oh.make_node("Gather", ["row_scale", "ids"], ["scale"]),
+        oh.make_node("Cast", ["rows_q"], ["rows_f"], to=TensorProto.FLOAT),
+        oh.make_node("Mul", ["rows_f", "scale"], ["y"]),
+    ]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], inits)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def test_summarize_qdq_counts_embedding_tables_read_through_gather(tmp_path):
+    summary = summarize_qdq(onnx.load(str(_gathered_int8_table(tmp_path / "emb.onnx"))))
+    assert summary.quantized_initializers == {"int8": (1, 40)}
+    assert summary.float_initializers == (1, 10)
+
+
+def test_inspect_float_model_says_so_and_lists_no_dequantize_feeds(capsys, tmp_path):
+    graph = oh.make_graph([oh.make_node("Gemm", ["x", "w"], ["y"])], "g",
+                          [oh.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                          [oh.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 2])],
+                          [nh.from_array(np.ones((3, 2), np.float32), "w")])
+    path = tmp_path / "float.onnx"
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 21)]), str(path))
+    code, out, _ = _run(capsys, "inspect", str(path), "--no-fusion")
+    assert code == 0
+    assert "none: this is a float model" in out
+    assert "DequantizeLinear (" not in out and "quantized initializers" not in out
+    assert re.search(r"float\s+1\s+6\s+24 B", out)
+
+
 def test_inspect_prints_qdq_tables_without_fusion(capsys, tmp_path):
     path = _hand_made_qdq(tmp_path / "m.onnx")
     code, out, _ = _run(capsys, "inspect", str(path), "--no-fusion")
@@ -425,6 +465,11 @@ def test_demo_int8_matches_float_and_onnxruntime_agrees(capsys, tmp_path, monkey
     assert re.search(r"latency fp32 -> int8 .*\| [0-9.]+ ms -> [0-9.]+ ms", out)
     assert (tmp_path / "demo" / "digits_cnn.int8.onnx").is_file()
     assert (tmp_path / "demo" / "digits_cnn.fp32.onnx").is_file()
+    # the README quotes docs/snippets/demo_table.txt: a fresh run prints the same numbers (latency aside)
+    snippet = (Path(__file__).resolve().parents[2] / "docs" / "snippets" / "demo_table.txt").read_text()
+    rows = [line for line in snippet.splitlines() if line.startswith("| ") and "latency" not in line]
+    printed = out.splitlines()
+    assert rows and all(row in printed for row in rows), f"stale demo snippet; fresh run:\n{out}"
 
     # the trained weights were cached; loading them gives the same network without training
     cache_file = tmp_path / "cache" / demo.CACHE_FILE

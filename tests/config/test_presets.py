@@ -8,7 +8,7 @@ from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, Quanti
 SYM = QuantizationScheme.SYMMETRIC
 ASYM = QuantizationScheme.ASYMMETRIC
 PER_CHANNEL_INT8 = ("int8", SYM, PerChannel(axis=0), "minmax", "static")
-PER_BLOCK_INT4 = ("int4", SYM, PerBlock(axis=1, block_size=32), "minmax", "static")
+PER_BLOCK_INT4 = ("int4", QuantizationScheme(presets.W4_QSCHEME), PerBlock(axis=1, block_size=32), "minmax", "static")
 
 # name -> (weight (dtype, qscheme, granularity, range, qparams) or None, activation ... or None, int32_bias)
 EXPECTED = {
@@ -161,6 +161,20 @@ def test_describe_lists_every_preset_with_summaries():
         "int8 symmetric per-channel(axis=0), minmax/static",
         "uint8 asymmetric per-tensor, minmax/global_minmax",
     )
-    assert by_name["w4"].weight == "int4 symmetric per-block(axis=1, block_size=32), minmax/static"
+    assert by_name["w4"].weight == (
+        f"int4 {presets.W4_QSCHEME} per-block(axis=1, block_size=32), minmax/static, gptq rounding"
+    )
     assert by_name["w4"].activation == "float"
     assert by_name["fp8"].activation == "float8_e4m3fn symmetric per-tensor, minmax/global_minmax"
+
+
+def test_w4_presets_round_with_gptq_by_default_and_take_algorithm_and_qscheme():
+    for factory in (QuantizerConfig.presets.w4, QuantizerConfig.presets.w4a8):
+        assert factory().weight.weight_rounding == "gptq"
+        assert factory(algorithm="hqq", qscheme="asymmetric").weight.weight_rounding == "hqq"
+        assert factory(qscheme="asymmetric").weight.qscheme is ASYM
+        assert factory(algorithm=None).weight.weight_rounding is None
+        with pytest.raises(ValueError, match="qscheme must be 'symmetric' or 'asymmetric'"):
+            factory(qscheme="symmetric_with_clipping")
+        with pytest.raises(ValueError, match="unknown weight rounding|not registered|valid"):
+            factory(algorithm="awq")

@@ -169,17 +169,26 @@ def moving_average_reference(shards: list[int], mode: str) -> dict[str, Tensor]:
 
 
 def api_failure_scenario(rank: int, world: int, failing_rank: int) -> dict[str, object]:
-    """``failing_rank`` feeds a batch of the wrong width: its calibrate raises, the others' must too (no hang)."""
+    """``failing_rank`` feeds a batch of the wrong width: its calibrate raises, the others' must too (no hang).
+
+    The model was calibrated successfully before; ``rolled_back`` says whether the failed call left every tensor
+    of its state_dict exactly as after that first calibration (on every rank).
+    """
     import time
 
     from coreai_opt.api.distributed import DistributedSyncError
 
+    prepared = calibrated(co.QuantizerConfig.presets.w8a8(), api_batches(2, seed=5), "auto")
+    before = {k: v.clone() for k, v in prepared.state_dict().items() if torch.is_tensor(v)}
     batches = api_batches(4)
     if rank == failing_rank:
         batches[1] = torch.zeros(3, FEATURES + 1)
     start = time.perf_counter()
     try:
-        calibrated(co.QuantizerConfig.presets.w8a8(), batches, "auto")
+        co.calibrate(prepared, batches, progress=False, sync="auto")
     except (ValueError, DistributedSyncError) as exc:
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - start}
-    return {"error": None, "seconds": time.perf_counter() - start}
+        after = prepared.state_dict()
+        rolled_back = all(torch.equal(v, after[k]) for k, v in before.items())
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - start,
+                "rolled_back": rolled_back}
+    return {"error": None, "seconds": time.perf_counter() - start, "rolled_back": False}

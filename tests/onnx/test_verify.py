@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from coreai_opt.onnx import VerificationReport, export_onnx, verify_onnx
-from coreai_opt.onnx.verify import FLOAT_RELATIVE_TOLERANCE, MAX_OUTPUT_STEPS
+from coreai_opt.onnx.tolerance import FLOAT_PRECISION
 from tests.onnx.qmodels import ActivationAndWeight, QuantMLP, freeze
 
 
@@ -37,7 +37,7 @@ def test_verify_onnx_measures_quantized_classifier_output_in_steps(mlp: tuple[nn
     assert out.name == "output" and out.shape == (16, 10)
     assert out.step == pytest.approx(float(model.q_out.calculator.scale))
     assert out.max_diff_steps == pytest.approx(report.max_abs_diff / out.step, rel=1e-6)
-    assert out.max_diff_steps <= MAX_OUTPUT_STEPS
+    assert out.rule == "steps" and out.max_diff_steps <= out.tolerance_steps
     assert report.argmax_agreement == 1.0
     assert report.ok
     assert report.fusion.num_integer_compute + report.fusion.num_float_compute == 2
@@ -61,7 +61,7 @@ def test_verify_onnx_fails_when_model_and_file_disagree(mlp: tuple[nn.Module, Pa
         other.fc2.weight.mul_(-1.0)  # flips the logits: a different model than the exported one
     report = verify_onnx(other, path, torch.randn(64, 64))
     assert not report.ok
-    assert report.outputs[0].max_diff_steps > MAX_OUTPUT_STEPS
+    assert report.outputs[0].max_diff_steps > report.outputs[0].tolerance_steps
     assert report.argmax_agreement < 0.5
 
 
@@ -71,7 +71,9 @@ def test_verify_onnx_uses_relative_tolerance_for_float_outputs(two_outputs: tupl
     quantized, floating = report.outputs
     assert quantized.step is None and quantized.max_diff_steps == 0.0  # per-channel step: tracked elementwise
     assert floating.step is None and floating.max_diff_steps is None
-    assert floating.max_abs_diff <= FLOAT_RELATIVE_TOLERANCE * floating.reference_range
+    assert floating.max_abs_diff <= FLOAT_PRECISION * floating.reference_range
+    # x + DequantizeLinear(weight): one exact Add after a constant, so both outputs must match bit for bit
+    assert (quantized.rule, floating.rule) == ("exact", "exact") and floating.tolerance == 0.0
     assert report.argmax_agreement is None  # 3-D outputs are not classifier-shaped
     assert report.bit_exact and report.ok
 
@@ -81,8 +83,11 @@ def test_verify_onnx_str_is_a_table_with_fusion_report(mlp: tuple[nn.Module, Pat
     text = str(verify_onnx(model, path, torch.randn(4, 64)))
     lines = text.splitlines()
     assert lines[0].startswith("ONNX verification of mlp.onnx: 1 batch(es), 4 sample(s), ok=True")
-    assert lines[1].split() == ["output", "shape", "max", "|diff|", "steps", "argmax", "agree", "ok"]
+    assert lines[1].split() == ["output", "shape", "max", "|diff|", "steps", "allowed", "argmax", "agree", "ok"]
     assert lines[2].split()[0] == "output" and lines[2].split()[-1] == "True"
+    # two requantising integer kernels (fc1 and fc2 as QGemm) between the input quantizer and the output
+    assert lines[3] == ("  tolerance of output (steps): 2 step(s): 1 per quantizer stage after float accumulation or "
+                        "requantisation; non-exact kernels on the path: QGemm x2")
     assert "onnxruntime fusion report" in lines
 
 
@@ -94,6 +99,10 @@ def test_verify_onnx_rejects_bad_inputs(mlp: tuple[nn.Module, Path], tmp_path: P
         verify_onnx(model, path, [(torch.randn(1, 64), torch.randn(1, 64))])
     with pytest.raises(ValueError, match="yielded no batches"):
         verify_onnx(model, path, [])
+    with pytest.raises(ValueError, match="batch 1 has 0 samples"):
+        verify_onnx(model, path, [torch.randn(2, 64), torch.randn(0, 64)])
+    with pytest.raises(ValueError, match="batch 0 has 0 samples"):
+        verify_onnx(model, path, torch.randn(0, 64))
     with pytest.raises(TypeError, match="batch 1 must be a tensor"):
         verify_onnx(model, path, [torch.randn(1, 64), "text"])
     with pytest.raises(TypeError, match="converted torch.nn.Module"):

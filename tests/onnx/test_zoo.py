@@ -17,7 +17,6 @@ from coreai_opt import reference_models as rm
 from coreai_opt.config import OpConfig, QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
 from coreai_opt.onnx.fusion_report import FLOAT_COMPUTE_OPS
-from coreai_opt.onnx.verify import FLOAT_RELATIVE_TOLERANCE
 from coreai_opt.quantization.spec import PerChannel, QuantizationSpec
 from tests.zoo import ZOO, build, randomize_batchnorm
 
@@ -169,7 +168,14 @@ def test_zoo_every_preset_exports_loads_and_runs(converted: Callable[[str, str],
     assert out.shape == (3, 10) and np.isfinite(out).all()
     report = verify_onnx(model, path, _inputs(name, batches=2))
     print(f"\n{name} {preset}\n{report}")
-    assert report.outputs[0].max_abs_diff <= FLOAT_RELATIVE_TOLERANCE * report.outputs[0].reference_range, str(report)
+    if "MatMulNBits" not in report.fusion.integer_compute:
+        assert report.ok, str(report)
+        return
+    # onnxruntime runs these linears as MatMulNBits at accuracy_level 4, which quantizes the activation to int8:
+    # verify_onnx must refuse the file and name that kernel (until the MatMulNBits export rule lands)
+    assert not report.ok, str(report)
+    assert report.divergence is not None and "MatMulNBits" in report.divergence.reason, str(report)
+    assert report.divergence.module == "blocks.0.attn.q", str(report)  # the first linear the input reaches
 
 
 def test_zoo_w4_transformer_linears_run_as_matmulnbits(converted: Callable[[str, str], Converted]) -> None:

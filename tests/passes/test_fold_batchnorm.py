@@ -108,3 +108,58 @@ def test_fold_batchnorm_requires_classified_graph():
     gm = fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)))
     with pytest.raises(ValueError, match="run classify_ops first"):
         fold_batchnorm(gm)
+
+
+def test_fold_batchnorm_adds_the_bias_argument_an_exported_bias_free_conv_left_out():
+    # torch.export writes a bias-free conv with default stride/padding as aten.conv2d.default(x, w): no bias slot.
+    torch.manual_seed(0)
+    model = randomize_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8))).eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = _graph(model, x, "export")
+    conv = next(n for n in gm.graph.nodes if get_meta(n).kind is OpKind.CONV)
+    assert len(conv.args) == 2 and not conv.kwargs
+    assert fold_batchnorm(gm).changes == 1
+    assert conv.args[2].op == "get_attr"
+    assert _rel_err(gm(x), model(x)) < 1e-5
+
+
+class _BatchNormAct2d(nn.BatchNorm2d):
+    """timm's BatchNormAct2d: a rank assert on the input, a functional batch norm, then the activation."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        torch._assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return self.act(x)
+
+
+class _ConvBNAct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = _BatchNormAct2d(8)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return self.head(y.reshape(y.shape[0], y.shape[1], y.shape[2], -1))  # more shape readers, after the BN
+
+
+@pytest.mark.parametrize("how", ["fx", "export"])
+def test_fold_batchnorm_ignores_users_that_only_read_the_conv_output_shape(how):
+    torch.manual_seed(0)
+    model = randomize_batchnorm(_ConvBNAct()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = _graph(model, x, how)
+    conv = next(n for n in gm.graph.nodes if get_meta(n).kind is OpKind.CONV)
+    if how == "fx":  # the assert (and its message) read conv.ndim: two more users of the conv output
+        assert sorted(str(u.target) for u in conv.users if u.target is getattr) == ["<built-in function getattr>"] * 2
+    assert fold_batchnorm(gm).changes == 1
+    assert OpKind.BATCH_NORM not in [get_meta(n).kind for n in gm.graph.nodes]
+    err = _rel_err(gm(x), model(x))
+    print(f"BatchNormAct2d fold ({how}): max rel err {err:.2e}")
+    assert err < 1e-5
+    assert gm(torch.randn(5, 3, 8, 8)).shape == (5, 4, 8, 8)  # the shape readers still follow the batch

@@ -214,16 +214,6 @@ def check_contract(family: str, depth: int, relu: bool, features: int, weight: d
 def test_every_random_graph_and_spec_runs_within_one_step_per_op_or_raises_a_documented_error(
     family: str, depth: int, relu: bool, features: int, weight: dict, activation: dict | None, seed: int
 ) -> None:
-    # KNOWN BUG (reported, not ours to fix here): a Conv with 8/16-bit weights and int4/uint4 input activations
-    # exports a file onnxruntime 1.32 refuses (INVALID_GRAPH: its QLinearConv fusion gets a 4-bit input). Remove this
-    # assume once export_onnx refuses the combination with a documented error.
-    assume(not (family == "conv" and activation is not None and activation["dtype"] in ("int4", "uint4")
-                and weight["dtype"] not in ("int4", "uint4")))
-    # KNOWN BUG (reported): a narrow-range Clip feeding an int4/uint4 QuantizeLinear (matmul of two activations with
-    # symmetric_with_clipping 4-bit activations) makes onnxruntime's ClipQuantFusion throw at session creation
-    # ("Unexpected data type for QuantizeLinear input y_zero_point of 22"). Remove once export emits Min/Max for it.
-    assume(not (family == "matmul" and activation is not None and activation["dtype"] in ("int4", "uint4")
-                and activation["qscheme"] == "symmetric_with_clipping"))
     # KNOWN BUG (reported): float8_e5m2 weights between int16 activations after ReLU (linear, depth 2): onnxruntime
     # with any graph optimisation (ORT_ENABLE_BASIC and up) returns up to ~60000 int16 steps off; ORT_DISABLE_ALL exact.
     assume(not (weight["dtype"] == "float8_e5m2" and activation is not None
@@ -245,8 +235,14 @@ def _spec(dtype: str, qscheme: str, granularity: dict, qparams_calculator: str =
          _spec("int16", "symmetric_with_clipping", {"type": "per_tensor"}, "moving_average")),
         ("matmul", False, _spec("uint8", "asymmetric", {"type": "per_tensor"}),
          _spec("float8_e4m3fn", "symmetric", {"type": "per_tensor"}, "global_minmax")),
+        # 4-bit activations: onnxruntime refused these files (QLinearConv / ClipQuantFusion on int4) before
+        # coreai_opt.onnx.rewrite.guard_4bit_activations
+        ("conv", True, _spec("int8", "symmetric", {"type": "per_channel", "axis": 0}),
+         _spec("uint4", "asymmetric", {"type": "per_tensor"}, "global_minmax")),
+        ("matmul", False, _spec("int8", "symmetric", {"type": "per_tensor"}),
+         _spec("int4", "symmetric_with_clipping", {"type": "per_tensor"}, "global_minmax")),
     ],
-    ids=["linear-int4-blocked", "conv-int8-int16", "matmul-uint8-float8"],
+    ids=["linear-int4-blocked", "conv-int8-int16", "matmul-uint8-float8", "conv-int8-uint4", "matmul-int4-clipped"],
 )
 def test_fixed_contract_cases_run_within_one_step_per_op(family: str, relu: bool, weight: dict,
                                                          activation: dict) -> None:

@@ -74,6 +74,7 @@ def test_spec_to_dict_from_dict_round_trip_through_json() -> None:
         "percentile": 99.9,
         "num_bins": 512,
         "fake_quantize": "default",
+        "weight_rounding": None,
     }
     restored = QuantizationSpec.from_dict(json.loads(json.dumps(data)))
     assert restored == spec

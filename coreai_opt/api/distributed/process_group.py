@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from coreai_opt.errors import CoreaiOptRuntimeError
+
 __all__ = [
     "DistributedSyncError",
     "Timeout",
@@ -22,7 +24,7 @@ __all__ = [
 Timeout = float | timedelta | None
 
 
-class DistributedSyncError(RuntimeError):
+class DistributedSyncError(CoreaiOptRuntimeError):
     """Raised on every rank when a sync point fails: a rank reported an error, timed out, or disagreed."""
 
 

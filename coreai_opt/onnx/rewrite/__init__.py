@@ -14,6 +14,7 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 7. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
 8. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
 9. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+10. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
 unchanged exported model already changes its bytes (measured on a 3-linear model: it drops the ``value_info`` of 10
@@ -35,6 +36,7 @@ from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
 from coreai_opt.onnx.rewrite.fold_weight_transposes import FoldWeightTransposes
 from coreai_opt.onnx.rewrite.gather_quantized_rows import GatherQuantizedRows
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivations
 from coreai_opt.onnx.rewrite.guard_float8_activations import GuardFloat8Activations
 from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
 from coreai_opt.onnx.rewrite.means_to_global_average_pool import MeansToGlobalAveragePool
@@ -55,6 +57,7 @@ POST_PASSES: tuple[Rule, ...] = (
     MeansToGlobalAveragePool(),
     DropZeroBiases(),
     GuardFloat8Activations(),
+    GuardFourBitActivations(),
 )
 
 

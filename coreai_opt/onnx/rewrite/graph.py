@@ -62,6 +62,7 @@ class OnnxGraph:
         self._readers: dict[str, list[onnx.NodeProto]] = {}
         self._members: set[int] = set()
         self._position: dict[int, int] | None = None
+        self._shared: dict[tuple[str, str, tuple[int, ...], bytes], str] = {}
         for node in self._nodes:
             self._index(node)
         self._shapes: dict[str, tuple[Dim, ...]] = {}
@@ -147,12 +148,11 @@ class OnnxGraph:
 
     def insert_before(self, anchor: onnx.NodeProto, nodes: Iterable[onnx.NodeProto]) -> None:
         """Insert ``nodes`` (new ``NodeProto`` objects) right before ``anchor``, in the given order."""
-        index = self._positions()[id(anchor)]
-        new = list(nodes)
-        self._nodes[index:index] = new
-        for node in new:
-            self._index(node)
-        self._changed()
+        self._insert_at(self._positions()[id(anchor)], nodes)
+
+    def insert_after(self, anchor: onnx.NodeProto, nodes: Iterable[onnx.NodeProto]) -> None:
+        """Insert ``nodes`` (new ``NodeProto`` objects) right after ``anchor``, in the given order."""
+        self._insert_at(self._positions()[id(anchor)] + 1, nodes)
 
     def replace(self, node: onnx.NodeProto, nodes: Iterable[onnx.NodeProto]) -> None:
         """Put ``nodes`` where ``node`` is and remove ``node``."""
@@ -233,6 +233,17 @@ class OnnxGraph:
         self.edits += 1
         return name
 
+    def shared_constant(self, base: str, value: np.ndarray) -> str:
+        """The initializer this graph object added for ``(base, value)`` before, else a new one (unique name).
+
+        For a constant many rewrites of one rule read (e.g. one guard bound): the first call adds it, the others
+        reuse it, so a rule needs no state of its own.
+        """
+        key = (base, value.dtype.str, value.shape, value.tobytes())
+        if key not in self._shared:
+            self._shared[key] = self.add_initializer(self.unique_name(base), value)
+        return self._shared[key]
+
     def set_initializer(self, name: str, value: np.ndarray) -> None:
         """Replace the data of initializer ``name`` in place (same position in the file)."""
         self._initializers[name].CopyFrom(numpy_helper.from_array(value, name))
@@ -295,6 +306,13 @@ class OnnxGraph:
         self._members.clear()
 
     # ---- internals ------------------------------------------------------------------------------------------
+
+    def _insert_at(self, index: int, nodes: Iterable[onnx.NodeProto]) -> None:
+        new = list(nodes)
+        self._nodes[index:index] = new
+        for node in new:
+            self._index(node)
+        self._changed()
 
     def _index(self, node: onnx.NodeProto) -> None:
         self._members.add(id(node))

@@ -16,6 +16,11 @@ off / off                  identity
 export mode                fake-quantize with the frozen buffers; flags and statistics untouched
 =========================  ==================================================================
 
+Weight rounding (``spec.weight_rounding``): the quantizer owns the algorithm in ``self.rounding``. ``observe``
+remembers the weight (a reference), ``commit`` rounds it (:meth:`WeightRoundingBase.commit`) and copies the
+algorithm's scale / zero point into the calculator's buffers; every fake-quantized output is then computed from
+the algorithm's exact result ``(q − z)·s`` (its integers may differ from ``round(w / s) + z``: GPTQ, HQQ).
+
 fp16/bf16 inputs: qparams stay float32; the op computes in float32 and the result is cast back to the
 input dtype (in ONNX this appears as Cast nodes around the Q/DQ pair).
 """
@@ -34,6 +39,7 @@ from coreai_opt.quantization.spec.qparams_calculator import (
 )
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize
 from coreai_opt.quantization.spec.registry import Registry
+from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING, WeightRoundingBase
 
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
@@ -94,9 +100,13 @@ class FakeQuantize(nn.Module):
         self.calculator: QParamsCalculatorBase = QPARAMS_CALCULATORS.resolve(spec.qparams_calculator).from_spec(spec)
         self.register_buffer("observer_enabled", torch.tensor(True))
         self.register_buffer("fake_quant_enabled", torch.tensor(True))
+        self.rounding: WeightRoundingBase | None = (
+            WEIGHT_ROUNDING.resolve(spec.weight_rounding).from_spec(spec) if spec.weight_rounding else None
+        )
         self.export_mode = False
         self.name = type(self).__name__
         self._pending = False  # statistics observed but not committed yet
+        self._observed_weight: Tensor | None = None  # the tensor weight rounding will round at commit
 
     @classmethod
     def from_spec(cls, spec: QuantizationSpec) -> FakeQuantize:
@@ -134,6 +144,8 @@ class FakeQuantize(nn.Module):
         """Name this quantizer and its calculators after the tensor it serves."""
         self.name = name
         self.calculator.set_name(name)
+        if self.rounding is not None:
+            self.rounding.set_name(name)
 
     def enable_observer(self, enabled: bool = True) -> None:
         """Switch statistics collection on or off."""
@@ -148,11 +160,43 @@ class FakeQuantize(nn.Module):
         if isinstance(self.calculator, StatefulQParamsCalculatorBase):
             self.calculator.initialize(tensor_shape)
 
+    def observe(self, x: Tensor) -> None:
+        """Accumulate statistics of ``x`` (with weight rounding: also remember ``x`` for :meth:`commit`)."""
+        self.calculator.observe(x)
+        if self.rounding is not None:
+            self._observed_weight = x.detach()
+        self._pending = True
+
     def commit(self) -> None:
-        """Turn pending statistics into qparams (``calibrate`` calls this at the end)."""
+        """Turn pending statistics into qparams (``calibrate`` calls this at the end).
+
+        With weight rounding, the observed weight is rounded and the algorithm's qparams replace the calculator's.
+        """
         if isinstance(self.calculator, StatefulQParamsCalculatorBase) and self.calculator.has_statistics:
             self.calculator.commit()
+        if self.rounding is not None and self._observed_weight is not None:
+            self.rounding.commit(self._observed_weight)
+            self._observed_weight = None
+        if self.rounding is not None and self.rounding.has_result:
+            self._adopt_rounding_qparams()
         self._pending = False
+
+    def _adopt_rounding_qparams(self) -> None:
+        calculator = self.calculator
+        rounding = self.rounding
+        if not isinstance(calculator, StatefulQParamsCalculatorBase) or rounding is None:
+            return
+        with torch.no_grad():
+            calculator.scale = rounding.scale.clone()
+            calculator.zero_point = rounding.zero_point.clone()
+            calculator.minval = (float(self.spec.quant_min) - rounding.zero_point.float()) * rounding.scale
+            calculator.committed.fill_(True)
+
+    @property
+    def has_input_statistics(self) -> bool:
+        """True when weight rounding holds calibration statistics not yet used by :meth:`commit`."""
+        stats = self.rounding.statistics if self.rounding is not None else None
+        return stats is not None and stats.has_statistics
 
     def reset_statistics(self) -> None:
         """Forget observed statistics and any pending commit (``calibrate`` calls this on entry)."""
@@ -187,6 +231,8 @@ class FakeQuantize(nn.Module):
             ValueError: the saved spec differs from this quantizer's spec (names both).
         """
         current = self.spec.to_dict()
+        if isinstance(state, dict) and "weight_rounding" not in state:  # saved before the field existed
+            state = {**state, "weight_rounding": None}
         if state != current:
             raise ValueError(
                 f"{self.name}: state was saved with {spec_summary(state, current)} but this quantizer is "
@@ -196,6 +242,10 @@ class FakeQuantize(nn.Module):
 
     # --- forward ---
     def _fake_quant(self, x: Tensor, scale: Tensor, zero_point: Tensor | None) -> Tensor:
+        if self.rounding is not None and self.rounding.has_result:
+            rounded = self.rounding.weight_for(x, self.export_mode).to(x.dtype)
+            # eager: straight-through (the op re-rounds x + (rounded - x) to exactly `rounded`)
+            x = rounded if self.export_mode else x + (rounded - x).detach()
         if zero_point is None:  # float8: the op takes a zero tensor it ignores (typed zero point in ONNX)
             zero_point = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
         x32 = x if x.dtype == torch.float32 else x.float()
@@ -234,14 +284,12 @@ class FakeQuantize(nn.Module):
             scale, zero_point, _ = self.calculator(x)
             return self._fake_quant(x, scale, zero_point)
         if observe and not fake_quant:
-            self.calculator.observe(x)
-            self._pending = True
+            self.observe(x)
             return x
         if observe:
-            self.calculator.observe(x)
-            scale, zero_point, _ = self.calculator.commit()
-            self._pending = False
-            return self._fake_quant(x, scale, zero_point)
+            self.observe(x)
+            self.commit()
+            return self._fake_quant(x, self.calculator.scale, self.calculator.zero_point)
         if fake_quant:
             scale, zero_point = self._cached_qparams()
             return self._fake_quant(x, scale, zero_point)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor, nn
 
+from coreai_opt.errors import QParamsRangeError
 from coreai_opt.quantization.spec.qparams_math import QParams, compute_qparams
 from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
 from coreai_opt.quantization.spec.registry import Registry
@@ -262,7 +263,7 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
                 f"{self.name}: commit() needs observed statistics but no finite value was observed; "
                 "run calibration data through the model first"
             )
-        qparams = self.compute_qparams(mn, mx)
+        qparams = self._checked_qparams(mn, mx)
         self._allocate(tuple(qparams.scale.shape), qparams.scale.device)
         with torch.no_grad():
             self.scale.copy_(qparams.scale)
@@ -270,6 +271,30 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
                 self.zero_point.copy_(qparams.zero_point)
                 self.minval.copy_(qparams.minval)
             self.committed.fill_(True)
+        return qparams
+
+    def _checked_qparams(self, min_val: Tensor, max_val: Tensor) -> QParams:
+        """:meth:`compute_qparams`, refusing (before anything is stored) qparams float32 cannot hold.
+
+        Raises:
+            QParamsRangeError: NaN bounds, or a scale that is not finite and positive / a ``minval`` that is not
+                finite (names this quantizer).
+        """
+        try:
+            qparams = self.compute_qparams(min_val, max_val)
+        except QParamsRangeError as exc:
+            raise QParamsRangeError(f"{self.name}: {exc}") from exc
+        scale, minval = qparams.scale, qparams.minval
+        bad_scale = ~(torch.isfinite(scale) & (scale > 0))
+        bad_minval = ~torch.isfinite(minval) if minval is not None else torch.zeros_like(bad_scale)
+        if bool(bad_scale.any()) or bool(bad_minval.any()):
+            index = int(torch.nonzero((bad_scale | bad_minval).reshape(-1))[0])
+            raise QParamsRangeError(
+                f"{self.name}: the range [{float(min_val.reshape(-1)[index])}, {float(max_val.reshape(-1)[index])}] "
+                f"gives scale {float(scale.reshape(-1)[index])}, which float32 qparams cannot represent; check the "
+                "tensor feeding this quantizer (values near float32's limit of 3.4e38 usually mean an overflow "
+                "upstream) or fix its range with float_range"
+            )
         return qparams
 
     # --- forward / freeze ---

@@ -21,6 +21,20 @@ float value of ``qmin``: ``minval = (qmin - zp) · scale``.
 
 Range bounds that are ``±inf`` (a row in which no finite value was observed) are treated as 0, i.e. a
 zero-width range; NaN bounds are an error.
+
+Overflow safety (values near ``FLT_MAX = finfo(float32).max``; bit-identical to the plain float32 formulas for
+every other range):
+
+* the bounds are first clamped, in their own precision (float64 histogram bounds included), to
+  ``±L`` with :func:`range_limit` ``L`` chosen so that every point of the quantization grid,
+  ``(q - zp) · scale`` for ``q`` in ``[qmin, qmax]``, is finite in float32 (e.g. int8 symmetric:
+  ``L = FLT_MAX · 127.5 / 128``, asymmetric: ``L = FLT_MAX · N / (N + 1)`` with ``N = qmax - qmin``, each less a
+  ``2⁻²⁰`` relative margin for rounding);
+* the asymmetric width ``max⁺ − min⁻`` of such a range can exceed ``FLT_MAX``; where the float32 width is
+  not finite it is computed in float64 (exact) and the scale rounded to float32 once.
+
+So every scale is finite and ``>= eps`` and every ``minval`` finite; :class:`~coreai_opt.errors.QParamsRangeError`
+is raised (by the stateful calculators, naming the quantizer) if a result is not.
 """
 
 from __future__ import annotations
@@ -30,13 +44,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from coreai_opt.errors import QParamsRangeError
 from coreai_opt.quantization.spec.dtypes import QuantDtype
 from coreai_opt.quantization.spec.granularity import QuantizationScheme
 
-__all__ = ["QParams", "quant_range", "compute_qparams", "SCALE_EPS"]
+__all__ = ["QParams", "quant_range", "range_limit", "compute_qparams", "SCALE_EPS", "FLOAT32_MAX"]
 
 #: Smallest scale ever produced: ``torch.finfo(torch.float32).eps`` (also for fp16/bf16 models).
 SCALE_EPS: float = float(torch.finfo(torch.float32).eps)
+#: Largest finite float32.
+FLOAT32_MAX: float = float(torch.finfo(torch.float32).max)
+# Relative margin of range_limit for the float32 rounding of scale, zero point and minval.
+_LIMIT_MARGIN = 2.0**-20
 
 
 class QParams(NamedTuple):
@@ -78,13 +97,43 @@ def quant_range(dtype_info: QuantDtype, qscheme: QuantizationScheme | str) -> tu
     return qmin, qmax
 
 
-def _finite_or_zero(bound: Tensor, what: str) -> Tensor:
+def range_limit(dtype_info: QuantDtype, qscheme: QuantizationScheme | str) -> float:
+    """Largest ``|bound|`` whose quantization grid stays finite in float32 (see the module docstring).
+
+    Returns:
+        ``L`` as a float32-representable Python float.
+
+    Example:
+        >>> from coreai_opt.quantization.spec.dtypes import get_dtype_info
+        >>> range_limit(get_dtype_info("int8"), "symmetric") < FLOAT32_MAX
+        True
+    """
+    scheme = QuantizationScheme(qscheme)
+    if dtype_info.is_float:
+        ratio = 1.0  # grid extreme = finfo(dtype).max · scale = max_abs
+    else:
+        qmin, qmax = quant_range(dtype_info, scheme)
+        levels = float(qmax - qmin)
+        if scheme is QuantizationScheme.ASYMMETRIC:
+            ratio = levels / (levels + 1.0)  # |grid end| <= |bound| + scale / 2 and scale <= 2L / N
+        else:
+            zero_point = (qmin + qmax + 1) // 2
+            ratio = (levels / 2.0) / max(zero_point - qmin, qmax - zero_point)
+    limit = torch.tensor(FLOAT32_MAX * ratio * (1.0 - _LIMIT_MARGIN), dtype=torch.float64).float()
+    return float(limit)
+
+
+def _finite_or_zero(bound: Tensor, what: str, limit: float) -> Tensor:
+    """Check for NaN, treat ``±inf`` as 0, clamp to ``±limit`` (in the bound's precision), return float32."""
+    if not bound.is_floating_point() or bound.dtype in (torch.float16, torch.bfloat16):
+        bound = bound.float()
     if bool(torch.isnan(bound).any()):
-        raise ValueError(
+        raise QParamsRangeError(
             f"compute_qparams got NaN in {what}; range statistics must ignore NaN (check the range calculator) "
             "or pass a float_range"
         )
-    return torch.where(torch.isinf(bound), torch.zeros_like(bound), bound)
+    bound = torch.where(torch.isinf(bound), torch.zeros_like(bound), bound)
+    return torch.clamp(bound, -limit, limit).float()
 
 
 def compute_qparams(
@@ -105,7 +154,8 @@ def compute_qparams(
         :class:`QParams` with float32 ``scale``/``minval`` and int32 ``zero_point`` (``None`` for float8).
 
     Raises:
-        ValueError: NaN bounds, or an asymmetric scheme with a float8 dtype.
+        QParamsRangeError: NaN bounds (a ``ValueError``).
+        ValueError: An asymmetric scheme with a float8 dtype.
 
     Example:
         >>> from coreai_opt.quantization.spec.dtypes import get_dtype_info
@@ -114,8 +164,9 @@ def compute_qparams(
         (4.0, 64)
     """
     scheme = QuantizationScheme(qscheme)
-    mn = _finite_or_zero(torch.as_tensor(min_val).detach().float(), "min_val")
-    mx = _finite_or_zero(torch.as_tensor(max_val).detach().float(), "max_val")
+    limit = range_limit(dtype_info, scheme)
+    mn = _finite_or_zero(torch.as_tensor(min_val).detach(), "min_val", limit)
+    mx = _finite_or_zero(torch.as_tensor(max_val).detach(), "max_val", limit)
     min_neg = torch.clamp(mn, max=0.0)
     max_pos = torch.clamp(mx, min=0.0)
     max_abs = torch.maximum(-min_neg, max_pos)
@@ -130,7 +181,12 @@ def compute_qparams(
         return QParams(scale, None, None)
 
     if scheme is QuantizationScheme.ASYMMETRIC:
-        scale = torch.clamp((max_pos - min_neg) / float(qmax - qmin), min=SCALE_EPS)
+        width = max_pos - min_neg
+        scale = width / float(qmax - qmin)
+        if not bool(torch.isfinite(width).all()):  # only near FLT_MAX: the width in float64, rounded once
+            wide = (max_pos.double() - min_neg.double()) / float(qmax - qmin)
+            scale = torch.where(torch.isfinite(width), scale, wide.float())
+        scale = torch.clamp(scale, min=SCALE_EPS)
         zero_point = torch.clamp(qmin - torch.round(min_neg / scale), qmin, qmax).to(torch.int32)
     else:
         scale = torch.clamp(max_abs / ((qmax - qmin) / 2.0), min=SCALE_EPS)

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_serializer, field_validator, model_validator
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
 from coreai_opt.quantization.spec.granularity import Granularity, PerTensor, QuantizationScheme, granularity_from_dict
 from coreai_opt.quantization.spec.histogram import check_num_bins
-from coreai_opt.quantization.spec.qparams_math import quant_range
+from coreai_opt.quantization.spec.qparams_math import FLOAT32_MAX, quant_range
 from coreai_opt.quantization.spec.registry import Registry
 
 __all__ = ["QuantizationSpec"]
@@ -38,11 +39,13 @@ def _registries() -> dict[str, Registry]:
     from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE
     from coreai_opt.quantization.spec.qparams_calculators import QPARAMS_CALCULATORS
     from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
+    from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING
 
     return {
         "range_calculator": RANGE_CALCULATORS,
         "qparams_calculator": QPARAMS_CALCULATORS,
         "fake_quantize": FAKE_QUANTIZE,
+        "weight_rounding": WEIGHT_ROUNDING,
     }
 
 
@@ -60,6 +63,9 @@ class QuantizationSpec(BaseModel):
         percentile: Percentile kept by the ``"percentile"`` range calculator.
         num_bins: Histogram bins of the histogram range calculators.
         fake_quantize: Fake-quantize module key (``"default"``).
+        weight_rounding: Weight-rounding algorithm key (``"rtn"``, ``"mse"``, ``"hqq"``, ``"gptq"``; see
+            :mod:`~coreai_opt.quantization.spec.weight_rounding`), or ``None``: round to nearest with the
+            calculator's qparams. Integer dtypes of at most 8 bits, ``qparams_calculator="static"``.
 
     Example:
         >>> s = QuantizationSpec(dtype=torch.int8, granularity={"type": "per_channel", "axis": 0})
@@ -79,6 +85,7 @@ class QuantizationSpec(BaseModel):
     percentile: float = 99.99
     num_bins: int = 2048
     fake_quantize: str = "default"
+    weight_rounding: str | None = None
 
     # ----------------------------------------------------------------------------------- field validators
     @model_validator(mode="before")
@@ -116,6 +123,19 @@ class QuantizationSpec(BaseModel):
         registry.get_class(value)  # raises listing the known keys
         return value
 
+    @field_validator("weight_rounding", mode="before")
+    @classmethod
+    def _check_weight_rounding(cls, value: Any) -> str | None:
+        if value is None:
+            return None
+        registry = _registries()["weight_rounding"]
+        if isinstance(value, type):
+            return registry.key_of(registry.resolve(value))
+        if not isinstance(value, str):
+            raise TypeError(f"weight_rounding must be a registry key (str), a registered class or None, got {value!r}")
+        registry.get_class(value)  # raises listing the known keys
+        return value
+
     @field_validator("float_range")
     @classmethod
     def _check_float_range(
@@ -127,6 +147,11 @@ class QuantizationSpec(BaseModel):
         for end in (lo, hi):
             if end is not None and not math.isfinite(end):
                 raise ValueError(f"float_range={value!r} must contain finite numbers or None")
+            if end is not None and abs(end) > FLOAT32_MAX:
+                raise ValueError(
+                    f"float_range end {end!r} does not fit float32 (|end| <= {FLOAT32_MAX:.8g}); qparams are float32, "
+                    "use a smaller range"
+                )
         if lo is not None and lo > 0:
             raise ValueError(f"float_range min {lo} must be <= 0 (the range always contains 0)")
         if hi is not None and hi < 0:
@@ -171,6 +196,11 @@ class QuantizationSpec(BaseModel):
                 f"range_calculator={self.range_calculator!r} accumulates every batch itself and needs "
                 f"qparams_calculator='static', got qparams_calculator={self.qparams_calculator!r}"
             )
+        if self.weight_rounding is not None and (info.is_float or info.bits > 8 or self.qparams_calculator != "static"):
+            raise ValueError(
+                f"weight_rounding={self.weight_rounding!r} needs an integer dtype of at most 8 bits and "
+                f"qparams_calculator='static', got dtype={self.dtype!r}, qparams_calculator={self.qparams_calculator!r}"
+            )
         if getattr(qparams_cls, "stateless", False):
             if self.range_calculator != "minmax":
                 raise ValueError(
@@ -205,6 +235,7 @@ class QuantizationSpec(BaseModel):
     def _serialise_granularity(self, value: Granularity) -> dict[str, Any]:
         return value.to_dict()
 
+    @public_api
     def to_dict(self) -> dict[str, Any]:
         """Return a plain, JSON-serialisable dict (granularity as its ``{"type": ...}`` dict)."""
         data = self.model_dump(mode="json")
@@ -213,6 +244,7 @@ class QuantizationSpec(BaseModel):
         return data
 
     @classmethod
+    @public_api
     def from_dict(cls, data: dict[str, Any]) -> QuantizationSpec:
         """Build a spec from :meth:`to_dict` output (or any dict of fields)."""
         if not isinstance(data, dict):

@@ -13,10 +13,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 SOURCES = sorted([*(ROOT / "coreai_opt").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
 INDEX_MODULE = ROOT / "coreai_opt" / "onnx" / "rewrite" / "graph.py"
+_WRAPPERS = frozenset({"enumerate", "zip", "reversed", "list", "tuple", "sorted"})
 
 
 def _iterates(node: ast.AST, attribute: str, over: str | None = None) -> bool:
-    """``node`` (an iteration target expression) is ``<something>.<attribute>`` (of the name ``over``, if given)."""
+    """``node`` (an iteration target expression) is ``<something>.<attribute>`` (of the name ``over``, if given),
+    also wrapped in ``enumerate`` / ``zip`` / ``reversed`` / ``list`` / ``tuple`` / ``sorted``."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _WRAPPERS:
+        return any(_iterates(arg, attribute, over) for arg in node.args)
     return isinstance(node, ast.Attribute) and node.attr == attribute and (
         over is None or (isinstance(node.value, ast.Name) and node.value.id == over))
 
@@ -56,6 +60,8 @@ for node in graph.node:
         readers.setdefault(name, []).append(node)
 '''
     assert _index_walks(ast.parse(old_maps)) == [2, 3, 4]
+    wrapped = "for node in list(graph.node):\n    for i, name in enumerate(node.input):\n        reads.add(name)"
+    assert _index_walks(ast.parse(wrapped)) == [1]
     assert _index_walks(ast.parse("ops = [n.op_type for n in graph.node]\nfor n in graph.node:\n    n.input[0]")) == []
 
 

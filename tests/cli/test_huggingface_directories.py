@@ -1,0 +1,150 @@
+"""coreai-opt quantize on save_pretrained directories: a tiny BERT with its tokenizer, a tiny ViT with its processor."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from coreai_opt import huggingface
+from coreai_opt.cli.main import main
+from tests.cli.conftest import SEQ_LEN, WORDS, save_images, save_tiny_bert, save_tiny_vit
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_from_pretrained_builds_the_task_head_and_tokenizer_inputs_in_forward_order(tiny_bert_dir):
+    import coreai_opt as co
+
+    assert co.from_pretrained is huggingface.from_pretrained  # the public name
+    hf = co.from_pretrained(tiny_bert_dir, seq_len=SEQ_LEN)
+    assert hf.architecture == "BertForSequenceClassification"
+    # the tokenizer yields input_ids, token_type_ids, attention_mask; forward() takes attention_mask second
+    assert hf.input_names == ("input_ids", "attention_mask", "token_type_ids")
+    ids, mask, types = hf.text_inputs(["the cat sat", "dog"])
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    assert ids.dtype == torch.int64 and ids.shape == (2, SEQ_LEN)
+    assert ids[0, :5].tolist() == [vocab["[CLS]"], vocab["the"], vocab["cat"], vocab["sat"], vocab["[SEP]"]]
+    assert ids[0, 5:].tolist() == [vocab["[PAD]"]] * (SEQ_LEN - 5)
+    assert mask[0].tolist() == [1] * 5 + [0] * (SEQ_LEN - 5) and mask[1].sum() == 3
+    assert types.abs().sum() == 0
+    # the inputs reach the model by position, so the logits equal a keyword call
+    with torch.no_grad():
+        by_position = hf.model(ids, mask, types).logits
+        by_name = hf.model(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    torch.testing.assert_close(by_position, by_name, rtol=0, atol=0)
+
+
+def test_random_text_inputs_stay_in_the_vocabulary(tiny_bert_dir):
+    hf = huggingface.from_pretrained(tiny_bert_dir, seq_len=SEQ_LEN)
+    ids, mask, types = hf.random_inputs(64, seed=3)
+    assert ids.shape == (64, SEQ_LEN) and int(ids.min()) >= 0 and int(ids.max()) == len(WORDS) - 1
+    assert mask.min() == mask.max() == 1 and types.abs().sum() == 0
+
+
+@pytest.fixture(scope="module")
+def quantized_bert(tiny_bert_dir, calib_text, tmp_path_factory) -> tuple[Path, str]:
+    output = tmp_path_factory.mktemp("bert_out") / "bert.onnx"
+    code = main(["quantize", str(tiny_bert_dir), "--calib-text", str(calib_text), "--seq-len", str(SEQ_LEN),
+                 "-o", str(output), "--latency-runs", "3"])
+    assert code == 0
+    return output, str(tiny_bert_dir)
+
+
+def test_quantize_bert_directory_with_calibration_text_verifies(quantized_bert, calib_text):
+    output, _ = quantized_bert
+    report = json.loads(output.with_name("bert.report.json").read_text())
+    assert report["ok"] is True and report["argmax_agreement"] == 1.0
+    assert [(i["name"], i["dtype"], i["samples_shape"]) for i in report["inputs"]] == [
+        ("input_ids", "int64", [8, SEQ_LEN]), ("attention_mask", "int64", [8, SEQ_LEN]),
+        ("token_type_ids", "int64", [8, SEQ_LEN])]
+    assert report["calibration"] == f"{calib_text} (8 lines, {SEQ_LEN} tokens)"
+    # every linear of the 2-layer BERT plus the pooler, and both attention matmuls of each layer (SDPA decomposed)
+    assert report["integer_compute"] == {"QGemm": 14, "QLinearMatMul": 4}
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.type, i.shape[1]) for i in session.get_inputs()] == [
+        ("input_ids", "tensor(int64)", SEQ_LEN), ("attention_mask", "tensor(int64)", SEQ_LEN),
+        ("token_type_ids", "tensor(int64)", SEQ_LEN)]
+
+
+def test_quantize_vit_directory_with_an_image_folder_verifies(capsys, tmp_path):
+    vit = save_tiny_vit(tmp_path / "tiny-vit")
+    images = save_images(tmp_path / "images", count=6)
+    output = tmp_path / "vit.onnx"
+    code, out, err = _run(capsys, "quantize", str(vit), "--calib-images", str(images), "-o", str(output),
+                          "--latency-runs", "0")
+    assert code == 0, err
+    assert err == ""
+    report = json.loads(output.with_name("vit.report.json").read_text())
+    assert report["ok"] is True
+    assert report["inputs"] == [{"name": "pixel_values", "dtype": "float32", "batch_shape": [6, 3, 32, 32],
+                                 "samples_shape": [6, 3, 32, 32]}]
+    assert report["calibration"] == f"{images} (6 images)"
+    # the processor rescales to [0, 1] and normalizes with mean 0.5, std 0.5: pixel values lie in [-1, 1]
+    hf = huggingface.from_pretrained(vit)
+    (pixels,) = hf.image_inputs(sorted(images.iterdir()))
+    assert pixels.shape == (6, 3, 32, 32) and float(pixels.min()) >= -1.0 and float(pixels.max()) <= 1.0
+
+
+def test_hf_directory_without_transformers_names_the_extra(capsys, tiny_bert_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    code, _, err = _run(capsys, "quantize", str(tiny_bert_dir), "--seq-len", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "needs the 'transformers' package; install the hf extra: pip install \"coreai-opt-qdq[hf]\"" in err
+
+
+def test_hf_directory_with_custom_architecture_is_refused(capsys, tmp_path):
+    directory = save_tiny_bert(tmp_path / "custom")
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["MyOwnBertForEverything"]
+    (directory / "config.json").write_text(json.dumps(config))
+    code, _, err = _run(capsys, "quantize", str(directory), "--seq-len", "8")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "names the architecture 'MyOwnBertForEverything', which is not built into transformers" in err
+    assert "trust_remote_code stays off" in err
+
+
+def test_hf_seq_len_longer_than_the_position_table_is_refused(capsys, tiny_bert_dir):
+    code, _, err = _run(capsys, "quantize", str(tiny_bert_dir), "--seq-len", "65")
+    assert code == 2
+    assert "seq_len 65 is longer than the model's 64 positions; pass at most 64" in err
+
+
+def test_hf_only_options_on_a_factory_model_are_refused(capsys, tmp_path, calib_text):
+    (tmp_path / "m.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(4, 2)\n")
+    code, _, err = _run(capsys, "quantize", f"{tmp_path / 'm.py'}:make", "--calib-text", str(calib_text))
+    assert code == 2
+    assert "--calib-text works with a Hugging Face save_pretrained directory" in err
+
+
+def test_broken_torchvision_under_transformers_names_the_real_cause_and_the_fix(tmp_path):
+    """transformers hides a failed lazy import behind 'Could not import module X'; we name torchvision."""
+    import types
+
+    from coreai_opt.huggingface import MissingExtraError, _model_class
+
+    class LazyTransformers(types.ModuleType):
+        PreTrainedModel = type("PreTrainedModel", (), {})
+
+        def __getattr__(self, name):
+            try:
+                raise RuntimeError("operator torchvision::nms does not exist")
+            except RuntimeError as inner:
+                raise ModuleNotFoundError(f"Could not import module '{name}'") from inner
+
+    config = types.SimpleNamespace(architectures=["BertForSequenceClassification"])
+    with pytest.raises(MissingExtraError) as info:
+        _model_class(LazyTransformers("transformers"), config, tmp_path)
+    message = str(info.value)
+    assert "BertForSequenceClassification" in message
+    assert "torchvision does not match torch" in message and "operator torchvision::nms" in message
+    assert "uninstall torchvision" in message

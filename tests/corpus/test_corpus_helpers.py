@@ -1,0 +1,59 @@
+"""The corpus harness itself: its metrics on hand-computed numbers and the torchvision op declaration."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from benchmarks.corpus_models import CORPUS, tokens
+from benchmarks.corpus_runner import decisive_flips, sqnr_db, top1_agreement
+from benchmarks.torchvision_ops import declare_torchvision_ops
+
+
+def test_sqnr_db_is_signal_over_noise_power_over_all_batches():
+    reference = [np.array([1.0, -1.0]), np.array([2.0])]
+    approx = [np.array([1.1, -0.9]), np.array([2.0])]
+    assert math.isclose(sqnr_db(reference, approx), 10 * math.log10(6.0 / 0.02), rel_tol=1e-12)
+    assert sqnr_db(reference, reference) == math.inf
+
+
+def test_top1_agreement_counts_every_position_of_lm_logits():
+    reference = [np.array([[[0.0, 1.0], [1.0, 0.0]], [[0.0, 1.0], [0.0, 1.0]]])]  # [N=2, T=2, V=2]
+    other = [np.array([[[0.0, 1.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 1.0]]])]
+    assert top1_agreement(reference, other) == 0.75
+
+
+def test_decisive_flips_forgive_only_near_ties():
+    reference = [np.array([[0.0, 1.0], [0.0, 0.1]])]  # margins 1.0 and 0.1
+    other = [np.array([[1.0, 0.0], [0.1, 0.0]])]  # both rows flip
+    assert decisive_flips(reference, other, tolerance=0.1) == 1  # 0.1 <= 2 * 0.1: a near tie
+    assert decisive_flips(reference, other, tolerance=0.01) == 2
+
+
+def test_token_inputs_stay_in_the_vocabulary_with_a_right_padded_mask():
+    ids, mask = tokens(torch.Generator().manual_seed(0), 64)
+    assert ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < 1000
+    assert mask[0].all() and not mask.all() and (mask.sum(1) >= 8).all()
+    assert torch.equal(mask, mask.sort(dim=1, descending=True).values)  # ones first: right padding
+
+
+def test_declare_torchvision_ops_lets_timm_and_transformers_import():
+    declare_torchvision_ops()
+    assert declare_torchvision_ops() is False  # idempotent
+    torch._C._get_schema("torchvision::nms", "")
+    torch._C._get_schema("torchvision::qnms", "")
+    import timm
+    import transformers
+
+    model = timm.create_model("resnet18", pretrained=False, num_classes=3).eval()
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 3)
+    assert transformers.BertConfig is not None
+
+
+def test_corpus_has_forty_architectures_from_both_libraries():
+    names = list(CORPUS)
+    assert len(names) == 40 and sum(n.startswith("hf-") for n in names) == 28 and sum(n.startswith("timm-") for n in
+                                                                                         names) == 12
+    assert {m.family for m in CORPUS.values()} == {"cnn", "encoder", "decoder", "vit", "speech"}

@@ -1,0 +1,143 @@
+"""verify_onnx on a GPT-style decoder whose weight-only export onnxruntime computes differently (MatMulNBits)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import coreai_opt
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.onnx import export_onnx, localize_divergence, verify_onnx
+
+VOCAB, SEQ = 128, 16
+
+
+class _CausalBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+        self.register_buffer("mask", torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape[0], x.shape[1], x.shape[2]
+        q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
+        attn = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(attn)
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """Token + position embeddings, 2 causal blocks, final LayerNorm, an LM head: logits ``[B, T, VOCAB]``."""
+
+    def __init__(self, dim: int = 64, depth: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Parameter(torch.randn(1, SEQ, dim) * 0.1)
+        self.blocks = nn.Sequential(*[_CausalBlock(dim, heads) for _ in range(depth)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos[:, : tokens.shape[1]]
+        return self.head(self.ln(self.blocks(x)))
+
+
+Exported = tuple[nn.Module, Path, list[torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Exported]:
+    cache: dict[str, Exported] = {}
+
+    def get(preset: str) -> Exported:
+        if preset not in cache:
+            torch.manual_seed(0)
+            model = TinyGPT().eval()
+            gen = torch.Generator().manual_seed(1)
+            calib = [torch.randint(0, VOCAB, (4, SEQ), generator=gen) for _ in range(4)]
+            prepared = coreai_opt.prepare(model, QuantizerConfig.presets.get(preset)(), (calib[0],))
+            coreai_opt.calibrate(prepared, calib, progress=False)
+            converted = coreai_opt.convert(prepared)
+            path = export_onnx(converted, (calib[0],), tmp_path_factory.mktemp(preset) / f"gpt_{preset}.onnx")
+            cache[preset] = (converted, path, [torch.randint(0, VOCAB, (8, SEQ), generator=gen) for _ in range(2)])
+        return cache[preset]
+
+    return get
+
+
+def test_weight_only_w8_decoder_fails_verify_and_names_the_first_matmulnbits_layer(
+    gpt: Callable[[str], Exported],
+) -> None:
+    model, path, inputs = gpt("w8")
+    report = verify_onnx(model, path, inputs)
+    print(f"\n{report}")
+    (logits,) = report.outputs
+    assert report.fusion.integer_compute.get("MatMulNBits", 0) >= 8  # qkv, proj, fc, out in both blocks
+    # float output of a weight-only path: judged at float precision, and onnxruntime is far outside it
+    assert logits.rule == "float" and logits.tolerance == pytest.approx(1e-4 * logits.reference_range + 1e-6)
+    assert logits.max_abs_diff > 10 * logits.tolerance and not report.ok  # measured 0.0172 vs 0.00047
+    assert "MatMulNBits" in logits.reason
+    divergence = report.divergence
+    assert divergence is not None and divergence.kind == "layer"
+    assert (divergence.module, divergence.call) == ("blocks.0.qkv", "blocks.0.qkv call 0")  # the first linear
+    assert divergence.difference > 10 * divergence.allowed
+    assert divergence.reason.startswith("an op onnxruntime computes differently: MatMulNBits (accuracy_level=4")
+    assert "first divergence" in str(report) and "blocks.0.qkv" in str(report)
+
+
+def test_w8a16_decoder_fails_at_its_own_16_bit_resolution_at_the_first_quantizer_after_matmulnbits(
+    gpt: Callable[[str], Exported],
+) -> None:
+    model, path, inputs = gpt("w8a16")
+    report = verify_onnx(model, path, inputs)
+    print(f"\n{report}")
+    (logits,) = report.outputs
+    assert logits.rule == "steps" and logits.max_diff_steps > logits.tolerance_steps and not report.ok
+    divergence = report.divergence
+    assert divergence is not None and divergence.kind == "quantizer" and divergence.module == "blocks.0.qkv"
+    assert "MatMulNBits" in divergence.reason and divergence.difference > divergence.allowed
+    # QuantizeLinear outputs added as graph outputs leave onnxruntime's kernels as they were
+    assert divergence.fusions_unchanged
+
+
+def test_w8a8_decoder_verifies_ok_and_every_quantizer_call_site_is_within_its_bound(
+    gpt: Callable[[str], Exported],
+) -> None:
+    model, path, inputs = gpt("w8a8")
+    report = verify_onnx(model, path, inputs)
+    print(f"\n{report}")
+    assert report.ok and report.divergence is None, str(report)
+    assert "MatMulNBits" not in report.fusion.integer_compute
+    assert localize_divergence(model, path, inputs[0]) is None
+
+
+def test_localize_divergence_names_the_quantizer_of_a_tampered_file(gpt: Callable[[str], Exported],
+                                                                     tmp_path: Path) -> None:
+    """A file whose second block's fc weight is negated: the first quantizer after it must be named."""
+    import onnx
+    from onnx import numpy_helper
+
+    model, path, inputs = gpt("w8a8")
+    proto = onnx.load(str(path))
+    weight_dq = next(n for n in proto.graph.node
+                     if n.op_type == "DequantizeLinear" and "blocks_1_fc_weight_fq" in str(n.metadata_props))
+    target = next(t for t in proto.graph.initializer if t.name == weight_dq.input[0])
+    target.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(target), target.name))
+    tampered = tmp_path / "tampered.onnx"
+    onnx.save(proto, str(tampered))
+    divergence = localize_divergence(model, tampered, inputs[0])
+    assert divergence is not None and divergence.kind == "quantizer"
+    assert divergence.module.startswith("blocks.1"), str(divergence)
+    assert divergence.difference > divergence.allowed

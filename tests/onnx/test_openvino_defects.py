@@ -1,0 +1,102 @@
+"""Three OpenVINO 2026.4 CPU defects on our QDQ files, reproduced on minimal graphs, and the rewrites that fix them.
+
+Each defect test pins OpenVINO's wrong behaviour (when a release fixes it, the test fails and the rewrite can go);
+each rewrite test proves OpenVINO then agrees with onnxruntime while onnxruntime's result stays bit-identical.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from coreai_opt.onnx.runtimes import open_runner
+from tests.onnx.openvino_graphs import MEAN_OUT, conv_16bit_output, embedding_add, sequence_mean
+
+pytest.importorskip("openvino")
+
+
+def _both(model: onnx.ModelProto, feed: dict[str, np.ndarray], path: Path) -> tuple[np.ndarray, np.ndarray]:
+    onnx.save(model, str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feed)[0], open_runner(path, "openvino").run(feed)[0]
+
+
+@pytest.mark.parametrize("seq", [12, 16])
+def test_openvino_reduce_mean_between_uint8_qdq_is_off_by_over_100_steps(seq: int, tmp_path: Path) -> None:
+    x = np.random.default_rng(seq).standard_normal((64, seq, 32)).astype(np.float32)
+    ort_y, ov_y = _both(sequence_mean(seq, as_sum_div=False), {"x": x}, tmp_path / "mean.onnx")
+    assert np.abs(ov_y - ort_y).max() / MEAN_OUT[0] > 100  # measured 162-165 steps
+
+
+@pytest.mark.parametrize("seq", [12, 16])
+def test_reduce_sum_div_rewrite_makes_openvino_agree_and_keeps_onnxruntime_bit_exact(seq: int,
+                                                                                      tmp_path: Path) -> None:
+    x = np.random.default_rng(seq).standard_normal((64, seq, 32)).astype(np.float32)
+    ort_mean, _ = _both(sequence_mean(seq, as_sum_div=False), {"x": x}, tmp_path / "mean.onnx")
+    ort_y, ov_y = _both(sequence_mean(seq, as_sum_div=True), {"x": x}, tmp_path / "sum_div.onnx")
+    assert np.array_equal(ort_y, ort_mean)  # onnxruntime's ReduceMean is ReduceSum / n, bit for bit
+    assert np.array_equal(ov_y, ort_y)
+
+
+def test_reduce_sum_times_reciprocal_is_not_bit_exact_in_onnxruntime() -> None:
+    """Why the rewrite divides by n: ``ReduceSum × (1/n)`` rounds the reciprocal first (1/12 is not a float)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def model(op: str) -> onnx.ModelProto:
+        inits = [numpy_helper.from_array(np.array([1], np.int64), "axes"),
+                 numpy_helper.from_array(np.array(12.0 if op == "Div" else 1 / 12, np.float32), "n")]
+        nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=0),
+                 helper.make_node(op, ["s", "n"], ["y"])]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 12, 64])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 64])], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+    x = np.random.default_rng(0).standard_normal((256, 12, 64)).astype(np.float32)
+    reference = ort.InferenceSession(model("Div").SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    times = ort.InferenceSession(model("Mul").SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    assert (times != reference).mean() > 0.1  # measured 34 % of the means differ by an ulp
+
+
+def test_openvino_fails_to_compile_an_add_of_a_constant_qdq_embedding_branch(tmp_path: Path) -> None:
+    path = tmp_path / "embedding_add.onnx"
+    onnx.save(embedding_add(np.random.default_rng(0)), str(path))
+    with pytest.raises(RuntimeError, match=r"AddTransformation.*index < m_inputs.size\(\)"):
+        open_runner(path, "openvino")
+
+
+def test_folding_the_constant_position_branch_makes_openvino_compile_and_agree(tmp_path: Path) -> None:
+    tokens = np.random.default_rng(1).integers(0, 100, (32, 16)).astype(np.int64)
+    original = ort.InferenceSession(embedding_add(np.random.default_rng(0)).SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(None, {"tokens": tokens})[0]
+    ort_y, ov_y = _both(embedding_add(np.random.default_rng(0), fold_positions=True), {"tokens": tokens},
+                        tmp_path / "folded.onnx")
+    assert np.array_equal(ort_y, original)
+    assert np.array_equal(ov_y, ort_y)
+
+
+_SIXTEEN_BIT = [(np.uint16, 0), (np.uint16, 30000), (np.int16, 0)]
+
+
+@pytest.mark.parametrize(("dtype", "zero_point"), _SIXTEEN_BIT)
+def test_openvino_strips_16_bit_qdq_and_loses_its_clamp(dtype: type, zero_point: int, tmp_path: Path) -> None:
+    x = (np.random.default_rng(1).standard_normal((2, 3, 8, 8)) * 10).astype(np.float32)
+    ort_y, ov_y = _both(conv_16bit_output(dtype, zero_point, clip=False), {"x": x}, tmp_path / "q16.onnx")
+    assert np.abs(ov_y - ort_y).max() / 1e-4 > 1e4  # measured 1.1e5-1.4e5 steps: values past the 16-bit range
+
+
+@pytest.mark.parametrize(("dtype", "zero_point"), _SIXTEEN_BIT)
+def test_clip_before_16_bit_quantize_bounds_openvino_to_half_a_step_and_keeps_onnxruntime_bit_exact(
+    dtype: type, zero_point: int, tmp_path: Path
+) -> None:
+    x = (np.random.default_rng(1).standard_normal((2, 3, 8, 8)) * 10).astype(np.float32)
+    ort_plain, _ = _both(conv_16bit_output(dtype, zero_point, clip=False), {"x": x}, tmp_path / "plain.onnx")
+    ort_y, ov_y = _both(conv_16bit_output(dtype, zero_point, clip=True), {"x": x}, tmp_path / "clip.onnx")
+    assert np.array_equal(ort_y, ort_plain)
+    # OpenVINO still skips the rounding to the 16-bit grid: at most half a step (plus float noise)
+    assert np.abs(ov_y - ort_y).max() / 1e-4 <= 0.5 + 1e-3

@@ -1,0 +1,110 @@
+"""Small graphs with the patterns real architectures use, end to end into onnxruntime's integer kernels.
+
+Each graph is one root cause the real-architecture corpus found (issue 13): a timm ``BatchNormAct2d`` after a
+bias-free conv (both captures), ``scaled_dot_product_attention`` and GPT-2's ``addmm`` linear.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+from torch import nn
+
+import coreai_opt as co
+from coreai_opt.onnx.verify import VerificationReport
+from tests.passes.test_decompose_attention import B, E, H, L, _Attention, _padding_mask
+from tests.passes.test_fold_batchnorm import _ConvBNAct
+from tests.zoo import randomize_batchnorm
+
+
+def _pipeline(model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]], path: Path, capture: str = "auto"
+              ) -> tuple[torch.nn.Module, VerificationReport]:
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), batches[0], capture=capture)
+    co.calibrate(prepared, batches, progress=False)
+    converted = co.convert(prepared)
+    co.export_onnx(converted, batches[0], path)
+    return converted, co.verify_onnx(converted, path, batches)
+
+
+def _ops(path: Path) -> Counter[str]:
+    return Counter(node.op_type for node in onnx.load(str(path)).graph.node)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_timm_batchnorm_act_folds_to_zero_batchnormalization_nodes_and_integer_convs(tmp_path, capture):
+    torch.manual_seed(0)
+    model = randomize_batchnorm(_ConvBNAct()).eval()
+    batches = [(torch.randn(4, 3, 8, 8),) for _ in range(3)]
+    _, report = _pipeline(model, batches, tmp_path / "m.onnx", capture)
+    ops = _ops(tmp_path / "m.onnx")
+    print(f"{capture}: {dict(ops)}\n{report}")
+    assert ops["BatchNormalization"] == 0 and ops["Relu"] == 0  # folded; relu absorbed by the conv-output Q
+    assert report.fusion.integer_compute == {"QLinearConv": 2} and report.fusion.num_float_compute == 0
+    assert report.ok
+
+
+@pytest.mark.parametrize(("capture", "mask"), [("fx", None), ("export", "bool"), ("fx", "causal")])
+def test_sdpa_runs_as_two_qlinearmatmuls_and_unmasked_softmax_as_qlinearsoftmax(tmp_path, capture, mask):
+    torch.manual_seed(0)
+    model = _Attention(is_causal=mask == "causal").eval()
+    batches = []
+    for _ in range(3):
+        x, m = torch.randn(B, L, E * H), _padding_mask(mask or "")
+        batches.append((x,) if m is None else (x, m))
+    _, report = _pipeline(model, batches, tmp_path / "m.onnx", capture)
+    print(f"{capture} mask={mask}: {report.fusion.op_counts}")
+    assert report.fusion.integer_compute == {"QGemm": 2, "QLinearMatMul": 2} and report.fusion.num_float_compute == 0
+    # a mask holds -inf, which no 8-bit grid of the scores holds: masked softmax runs in float between Q/DQ
+    assert report.fusion.other_quantized == ({"QLinearSoftmax": 1} if mask is None else {})
+    assert report.fusion.op_counts.get("Mul", 0) == (0 if mask is None else 1)  # scale folded into q when unmasked
+    assert report.ok
+
+
+class _Conv1D(nn.Module):
+    """GPT-2's Conv1D: ``addmm(bias, x, W)`` with ``W`` ``[in, out]``."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(in_features, out_features) * 0.2)
+        self.bias = nn.Parameter(torch.randn(out_features) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.weight.size(-1),)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class _TwoConv1D(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = _Conv1D(32, 16), _Conv1D(8, 32)
+
+    def forward(self, x):
+        return self.proj(torch.nn.functional.gelu(self.fc(x)))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_addmm_is_a_linear_with_per_output_channel_weights_and_int32_bias_run_as_qgemm(tmp_path, capture):
+    torch.manual_seed(0)
+    model = _TwoConv1D().eval()
+    batches = [(torch.randn(4, 5, 16),) for _ in range(3)]
+    converted, report = _pipeline(model, batches, tmp_path / "m.onnx", capture)
+    weight_fq = dict(converted.named_modules())["fc_weight_fq"]
+    assert weight_fq.calculator.scale.shape == (32,)  # one scale per output channel, the last axis of W [16, 32]
+    expected = model.fc.weight.detach().abs().amax(dim=0) / 127.5
+    assert torch.allclose(weight_fq.calculator.scale, expected, rtol=1e-6)
+    graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    producer = {out: node for node in graph.node for out in node.output}
+    gemms = [n for n in graph.node if n.op_type == "Gemm"]
+    assert len(gemms) == 2
+    for gemm in gemms:
+        weight_dq, bias_dq = producer[gemm.input[1]], producer[gemm.input[2]]
+        assert [a.i for a in weight_dq.attribute if a.name == "axis"] == [1]
+        assert inits[weight_dq.input[0]].dtype.name == "int8" and inits[bias_dq.input[0]].dtype.name == "int32"
+    assert report.fusion.integer_compute == {"QGemm": 2} and report.fusion.num_float_compute == 0
+    assert report.ok

@@ -1,0 +1,77 @@
+"""The derived tolerance rules on hand-made graphs (what onnxruntime runs is given, so the numbers are exact)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from coreai_opt.onnx.output_steps import OutputStep, element_steps
+from coreai_opt.onnx.tolerance import FLOAT_PRECISION, derive_tolerances
+
+
+def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _qparams(prefix: str) -> list[onnx.TensorProto]:
+    return [numpy_helper.from_array(np.array(0.1, np.float32), f"{prefix}s"),
+            numpy_helper.from_array(np.array(128, np.uint8), f"{prefix}z")]
+
+
+def _qdq(src: str, prefix: str, out: str) -> list[onnx.NodeProto]:
+    return [helper.make_node("QuantizeLinear", [src, f"{prefix}s", f"{prefix}z"], [f"{out}q"]),
+            helper.make_node("DequantizeLinear", [f"{out}q", f"{prefix}s", f"{prefix}z"], [out])]
+
+
+def test_exact_ops_between_quantizers_give_zero_steps() -> None:
+    nodes = _qdq("x", "a", "xd") + [helper.make_node("Relu", ["xd"], ["r"]),
+                                    helper.make_node("Reshape", ["r", "shape"], ["m"])] + _qdq("m", "b", "y")
+    inits = _qparams("a") + _qparams("b") + [numpy_helper.from_array(np.array([1, 8], np.int64), "shape")]
+    (tol,) = derive_tolerances(_model(nodes, inits), {"y"}).values()
+    assert (tol.rule, tol.steps) == ("exact", 0)
+
+
+def test_each_quantizer_after_float_accumulation_adds_one_step() -> None:
+    weight = numpy_helper.from_array(np.eye(8, dtype=np.float32), "w")
+    nodes = _qdq("x", "a", "xd") + [helper.make_node("MatMul", ["xd", "w"], ["m1"])] + _qdq("m1", "b", "h")
+    nodes += [helper.make_node("MatMul", ["h", "w"], ["m2"])] + _qdq("m2", "c", "y")
+    inits = _qparams("a") + _qparams("b") + _qparams("c") + [weight]
+    (tol,) = derive_tolerances(_model(nodes, inits), {"y"}).values()
+    assert (tol.rule, tol.steps) == ("steps", 2)
+    assert "MatMul x2" in tol.reason
+
+
+def test_weight_only_float_output_is_judged_at_float_precision_and_names_int8_matmulnbits() -> None:
+    nodes = [helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=8, N=8, bits=8,
+                              block_size=16, accuracy_level=4)]
+    model = _model(nodes, [])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    (tol,) = derive_tolerances(model, set()).values()
+    assert (tol.rule, tol.relative) == ("float", FLOAT_PRECISION)
+    assert "WARNING: MatMulNBits x1 computes differently from eager" in tol.reason
+
+
+def test_float8_steps_follow_the_grid_spacing_at_the_value() -> None:
+    step = OutputStep(np.array(0.5), 1, TensorProto.FLOAT8E4M3FN)
+    ref = np.array([0.5 * 1.0, 0.5 * 300.0, 0.5 * 2.0**-8], np.float32)
+    # e4m3fn: spacing 2^(e-3) in binade [2^e, 2^(e+1)), subnormal spacing 2^-9 below 2^-6
+    assert element_steps(step, ref, ref).tolist() == [0.5 * 2.0**-3, 0.5 * 2.0**5, 0.5 * 2.0**-9]
+    assert element_steps(OutputStep(np.array(0.5), 1, TensorProto.UINT16), ref, ref) == 0.5
+
+
+def test_divergence_reasons_are_classified_from_the_kernel_table() -> None:
+    from collections import Counter
+
+    from coreai_opt.onnx.localize import _classify
+
+    nodes = [helper.make_node("QLinearConv", ["x"], ["a"], domain="com.microsoft"),
+             helper.make_node("QuickGelu", ["a"], ["b"], domain="com.microsoft"),
+             helper.make_node("Conv", ["b"], ["y"])]
+    model = _model(nodes, [])
+    assert _classify(Counter({"QuickGelu": 1, "Conv": 1}), model) == "float accumulation order (Conv, QuickGelu)"
+    requantizing = _classify(Counter({"QLinearConv": 1, "Conv": 1}), model)
+    assert requantizing == "a kernel's requantisation rounding (QLinearConv)"
+    assert _classify(Counter(), model).startswith("every op between the boundaries is exact")

@@ -1,0 +1,151 @@
+"""Inputs that do not fit the prepared model get our error naming the input and the fix, before torch / ORT fail.
+
+Before: ``IndexError: index out of range in self`` (token ids), ``aminmax: Expected reduction dim 1 to have non-zero
+size`` (empty batches), exporter internals (wrong shapes / dtypes), the onnx checker (an input and an output with one
+name).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx, nn
+
+import coreai_opt as co
+from coreai_opt.errors import InputValidationError
+
+from .conftest import Pipeline
+
+VOCAB = 50
+
+
+class TokenNet(nn.Module):
+    """Embedding -> mean over the sequence -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens).mean(dim=1))
+
+
+def _tokens(*shape: int, high: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=["fx", "export"])
+def token_model(request: pytest.FixtureRequest) -> fx.GraphModule:
+    torch.manual_seed(0)
+    prepared = co.prepare(TokenNet().eval(), co.QuantizerConfig.presets.w8a8(), (_tokens(2, 6),),
+                          capture=request.param)
+    co.calibrate(prepared, [_tokens(4, 6, seed=s) for s in range(2)], progress=False)
+    return prepared
+
+
+@pytest.mark.parametrize(("bad_id", "shown"), [(VOCAB, VOCAB), (10**6, 10**6), (-1, -1)])
+def test_calibrate_names_an_out_of_vocabulary_token_id_the_embedding_and_the_fix(token_model: fx.GraphModule,
+                                                                              bad_id: int, shown: int) -> None:
+    prepared = copy.deepcopy(token_model)
+    before = {k: v.clone() for k, v in prepared.state_dict().items() if torch.is_tensor(v)}
+    batch = _tokens(4, 6)
+    batch[2, 3] = bad_id
+    with pytest.raises(InputValidationError, match=rf"^calibration batch 1: input 'tokens' holds token id {shown}, but "
+                                                   rf"embedding '\w+' has {VOCAB} rows \(valid ids 0\.\.{VOCAB - 1}\); "
+                                                   r"use the tokenizer that matches"):
+        co.calibrate(prepared, [_tokens(4, 6), batch], progress=False)
+    assert all(torch.equal(v, prepared.state_dict()[k]) for k, v in before.items())  # rolled back
+
+
+def test_calibrate_names_a_zero_size_batch_instead_of_aminmax(token_model: fx.GraphModule) -> None:
+    with pytest.raises(InputValidationError, match=r"^calibration batch 0: input 'tokens' has shape \(0, 6\), which "
+                                                   r"holds no elements \(the example input given to prepare had shape "
+                                                   r"\(2, 6\)\); skip empty batches"):
+        co.calibrate(copy.deepcopy(token_model), [torch.zeros(0, 6, dtype=torch.long)], progress=False)
+
+
+@pytest.fixture(scope="module")
+def exported_tokens(token_model: fx.GraphModule, tmp_path_factory: pytest.TempPathFactory
+                    ) -> tuple[fx.GraphModule, Path]:
+    converted = co.convert(token_model)
+    return converted, co.export_onnx(converted, (_tokens(2, 6),), tmp_path_factory.mktemp("tok") / "tokens.onnx")
+
+
+def test_verify_onnx_names_an_out_of_vocabulary_token_before_onnxruntime_runs(
+        exported_tokens: tuple[fx.GraphModule, Path]) -> None:
+    converted, path = exported_tokens
+    good, bad = _tokens(3, 6), _tokens(3, 6)
+    bad[0, 0] = VOCAB + 7
+    assert co.verify_onnx(converted, path, [good]).ok
+    with pytest.raises(InputValidationError, match=rf"^verify_onnx batch 1: input 'tokens' holds token id {VOCAB + 7}"):
+        co.verify_onnx(converted, path, [good, bad])
+
+
+def test_verify_and_export_name_an_empty_input(exported_tokens: tuple[fx.GraphModule, Path], tmp_path: Path) -> None:
+    converted, path = exported_tokens
+    empty = torch.zeros(0, 6, dtype=torch.long)
+    with pytest.raises(InputValidationError, match=r"^verify_onnx batch 0: input 'tokens' has shape \(0, 6\)"):
+        co.verify_onnx(converted, path, [empty])
+    with pytest.raises(InputValidationError, match=r"^export_onnx example_inputs: input 'tokens' has shape \(0, 6\)"):
+        co.export_onnx(converted, (empty,), tmp_path / "empty.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("example", "message"), [
+    (torch.zeros(4, 3, 8, 8, dtype=torch.float64),
+     r"input 'x' is float64 of shape \(4, 3, 8, 8\) but the example input given to prepare was float32 of shape "
+     r"\(4, 3, 8, 8\); pass inputs of that dtype and rank"),
+    (torch.zeros(3, 8, 8), r"input 'x' is float32 of shape \(3, 8, 8\) but the example input given to prepare was "
+                           r"float32 of shape \(4, 3, 8, 8\)"),
+    (torch.zeros(4, 3, 9, 9), r"the model fails on input 'x' of shape \(4, 3, 9, 9\) \(prepare had \(4, 3, 8, 8\)\): "
+                              r".*pass example inputs of shape \(4, 3, 8, 8\) \(only the batch dimension may change\)"),
+    (torch.zeros(4, 3, 8, 8, dtype=torch.long), r"input 'x' is int64"),
+], ids=["float64", "rank_3", "spatial_9x9", "int64"])
+def test_export_onnx_checks_example_inputs_against_what_prepare_recorded(cnn_pipeline: Pipeline, tmp_path: Path,
+                                                                        example: torch.Tensor, message: str) -> None:
+    with pytest.raises(InputValidationError, match=rf"^export_onnx example_inputs: {message}"):
+        co.export_onnx(cnn_pipeline.converted, (example,), tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_onnx_of_a_torch_export_capture_refuses_other_non_batch_shapes(tmp_path: Path) -> None:
+    """torch.export specialises the graph to the example's non-batch shape; FX graphs are run to see (above)."""
+    prepared = co.prepare(TokenNet().eval(), co.QuantizerConfig.presets.w8a8(), (_tokens(2, 6),), capture="export")
+    co.calibrate(prepared, [_tokens(4, 6)], progress=False)
+    converted = co.convert(prepared)
+    with pytest.raises(InputValidationError, match=r"input 'tokens' has shape \(2, 9\) but the model was captured "
+                                                   r"with torch.export for \(2, 6\)"):
+        co.export_onnx(converted, (_tokens(2, 9),), tmp_path / "m.onnx")
+
+
+def test_export_onnx_still_accepts_float32_inputs_for_a_bfloat16_prepare_converted_back_to_float(
+        tmp_path: Path) -> None:
+    """The documented bfloat16 path (model.float() before export) stays valid: the check allows the params' dtype."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval().to(torch.bfloat16)
+    x = torch.randn(8, 4)
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), (x.bfloat16(),))
+    co.calibrate(prepared, [x.bfloat16()], progress=False)
+    converted = co.convert(prepared).float()
+    path = co.export_onnx(converted, (x,), tmp_path / "bf16_as_f32.onnx")
+    assert co.verify_onnx(converted, path, [x]).ok
+
+
+class _NamedOutput(nn.Module):
+    def forward(self, output: torch.Tensor) -> torch.Tensor:
+        return torch.relu(output) + 1.0
+
+
+def test_an_input_and_an_output_with_one_name_are_refused_naming_them(cnn_pipeline: Pipeline, tmp_path: Path) -> None:
+    with pytest.raises(InputValidationError, match=r"^export_onnx: \['x'\] would name both a graph input and a graph "
+                                                   r"output .*pass output_names \(or input_names\) with different"):
+        co.export_onnx(cnn_pipeline.converted, (cnn_pipeline.example,), tmp_path / "m.onnx", output_names=["x"])
+    prepared = co.prepare(_NamedOutput().eval(), co.QuantizerConfig.presets.w8a8(), (torch.randn(2, 4),))
+    co.calibrate(prepared, [torch.randn(2, 4)], progress=False)
+    with pytest.raises(InputValidationError, match=r"\['output'\] would name both"):  # the default output name
+        co.export_onnx(co.convert(prepared), (torch.randn(2, 4),), tmp_path / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
