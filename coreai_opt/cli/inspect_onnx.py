@@ -2,7 +2,8 @@
 
 Prints three counts read from the file (QuantizeLinear / DequantizeLinear nodes by zero-point dtype, quantized
 initializers by dtype, and all ops by type), then onnxruntime's fusion report (``coreai_opt.fusion_report``):
-which quantized patterns its optimizer turned into integer kernels.
+which quantized patterns its optimizer turned into integer kernels, followed by what export_onnx's rewrite rules
+did and the near misses they recorded (also shown with --no-fusion).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from coreai_opt.cli.errors import EXIT_OK, CliError, one_line
 
 if TYPE_CHECKING:
     import onnx
+
+    from coreai_opt.onnx.rewrite.graph import OnnxGraph
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 # Storage dtypes of quantized tensors. An initializer of one of them is a quantized weight or table unless it is
@@ -89,16 +92,25 @@ def run(args: argparse.Namespace) -> int:
         0.
 
     Raises:
-        CliError: Missing or unreadable model file.
+        CliError: Missing or unreadable model file, or an unreadable rewrite report in it.
     """
+    from coreai_opt.onnx.rewrite.report import read_report
+
     model = load_onnx(args.model)
+    try:
+        rewrites = read_report(model)
+    except ValueError as exc:
+        raise CliError(f"{args.model}: {one_line(exc)}") from None
     print(f"{args.model}")
     print(format_summary(summarize_qdq(model)))
     if not args.no_fusion:
         import coreai_opt as co
 
         print()
-        print(co.fusion_report(args.model))
+        print(co.fusion_report(args.model))  # ends with the rewrite report
+    elif rewrites is not None:
+        print()
+        print(rewrites)
     return EXIT_OK
 
 
@@ -130,16 +142,12 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
     Returns:
         The :class:`QdqSummary`.
     """
-    graph = model.graph
+    from coreai_opt.onnx.rewrite.graph import OnnxGraph
+
+    graph = OnnxGraph(model)
     types = _tensor_types(model)
-    initializers = {t.name: t for t in graph.initializer}
     summary = QdqSummary(opset=next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None))
-    dq_inputs: set[str] = set()
-    other_reads: set[str] = set()  # tensors read anywhere except as a Q/DQ zero point
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if not (node.op_type in QDQ_OPS and index == 2):
-                other_reads.add(name)
+    for node in graph.nodes:
         summary.ops[node.op_type] += 1
         if node.op_type not in QDQ_OPS:
             continue
@@ -150,13 +158,11 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
         else:
             dtype = types.get(node.input[0], "unknown")
         summary.qdq[(node.op_type, dtype)] += 1
-        if node.op_type == "DequantizeLinear":
-            dq_inputs.add(node.input[0])
     quantized: dict[str, list[int]] = {}
     float_count = float_elements = 0
-    for name, tensor in initializers.items():
+    for name, tensor in {t.name: t for t in graph.initializers()}.items():
         dtype, elements = types[name], _numel(tensor)
-        if name in dq_inputs or (dtype in QUANTIZED_TYPES and name in other_reads):
+        if _dequantized(graph, name) or (dtype in QUANTIZED_TYPES and _read_as_data(graph, name)):
             entry = quantized.setdefault(dtype, [0, 0])
             entry[0] += 1
             entry[1] += elements
@@ -166,6 +172,17 @@ def summarize_qdq(model: onnx.ModelProto) -> QdqSummary:
     summary.quantized_initializers = {k: (v[0], v[1]) for k, v in sorted(quantized.items())}
     summary.float_initializers = (float_count, float_elements)
     return summary
+
+
+def _dequantized(graph: OnnxGraph, name: str) -> bool:
+    """``name`` is the data input of a ``DequantizeLinear``."""
+    return any(r.op_type == "DequantizeLinear" and r.input[0] == name for r in graph.readers(name))
+
+
+def _read_as_data(graph: OnnxGraph, name: str) -> bool:
+    """``name`` is read somewhere other than as a Q/DQ zero point (input 2)."""
+    return any(r.op_type not in QDQ_OPS or index != 2
+               for r in graph.readers(name) for index, used in enumerate(r.input) if used == name)
 
 
 def format_summary(summary: QdqSummary) -> str:

@@ -1,19 +1,25 @@
 """``export_onnx``: a converted model -> one checked, deterministic ONNX QDQ file.
 
 Recipe: check the model is converted -> pick the opset from its quantizers (:mod:`coreai_opt.onnx.opset`) ->
-``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> store constant
-weights quantized (:mod:`coreai_opt.onnx.fold_quantized_weights`) -> turn dynamic activation quantizers in front of
-int8 weights into MatMulInteger (:mod:`coreai_opt.onnx.dynamic_matmul`) -> store transposed weights transposed
-(:mod:`coreai_opt.onnx.transpose_weights`) -> gather embedding rows before dequantizing them
-(:mod:`coreai_opt.onnx.gather_quantized_rows`) -> run quantized linears on rank > 2 inputs as ``Gemm`` so onnxruntime
-builds ``QGemm`` (:mod:`coreai_opt.onnx.linears_to_gemm`), dropping the reshapes that cancel
-(:mod:`coreai_opt.onnx.collapse_reshapes`) -> write quantized spatial means as ``GlobalAveragePool``
-(:mod:`coreai_opt.onnx.global_average_pool`) -> drop all-zero conv/gemm biases
-(:mod:`coreai_opt.onnx.drop_zero_biases`) -> keep onnxruntime from deleting a Relu/Clip in front of a float8
-QuantizeLinear (:mod:`coreai_opt.onnx.guard_float8_activations`) -> keep onnxruntime from fusing ops around a
-4-bit activation QuantizeLinear into kernels it has no 4-bit form of (:mod:`coreai_opt.onnx.guard_4bit_activations`)
--> keep only the ``namespace`` entry of the exporter's per-node debug metadata -> ``onnx.checker`` -> atomic write
-(:mod:`coreai_opt.onnx.save`).
+``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> apply the ONNX
+post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per module of
+:mod:`coreai_opt.onnx.rewrite`):
+
+1. ``fold_quantized_weights``: store constant weights and int32 biases quantized (initializer -> DequantizeLinear);
+2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> MatMulInteger (DynamicQuantizeMatMul);
+3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul, e.g. MatMulNBits);
+4. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
+5. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
+6. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
+7. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
+8. ``drop_zero_biases``: drop all-zero conv / gemm biases;
+9. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
+10. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
+    kernels it has no 4-bit form of;
+
+-> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
+(:mod:`coreai_opt.onnx.rewrite.report`) -> keep only the ``namespace`` entry of the exporter's per-node debug
+metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.save`).
 """
 
 from __future__ import annotations
@@ -29,20 +35,12 @@ from torch import nn
 
 from coreai_opt import third_party_noise
 from coreai_opt.error_boundary import public_api
-from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
-from coreai_opt.onnx.drop_zero_biases import drop_zero_biases
-from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
-from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
-from coreai_opt.onnx.gather_quantized_rows import gather_quantized_rows
-from coreai_opt.onnx.global_average_pool import reduce_mean_to_global_average_pool
-from coreai_opt.onnx.guard_4bit_activations import guard_4bit_activations
-from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
+from coreai_opt.onnx import rewrite
 from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
-from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
+from coreai_opt.onnx.rewrite.report import record_report
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
-from coreai_opt.onnx.transpose_weights import transpose_dequantized_weights
 from coreai_opt.passes.graph_meta import get_graph_meta
 from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize_translation_table
@@ -201,7 +199,10 @@ def export_onnx(
     e.g. blocked int4 -> ``MatMulNBits``); 8-bit linears on rank > 2 inputs (a transformer's ``[batch, seq, K]``)
     are written as ``Reshape -> Gemm -> Reshape`` so onnxruntime runs them as ``QGemm`` with the int32 bias, the
     same arithmetic as ``MatMul + Add``. Of the exporter's per-node debug metadata only ``namespace`` (the
-    module path) is kept: stack traces with absolute source paths would tie the bytes to the machine.
+    module path) is kept: stack traces with absolute source paths would tie the bytes to the machine. What the
+    post-passes rewrote, and why they skipped the near misses (``linears_to_gemm skipped node_MatMul_3
+    (q_proj/linear): weight is per-block``), is stored in the file (``coreai_opt.rewrites`` metadata; shown by
+    ``fusion_report(path)`` and ``coreai-opt inspect``).
 
     Path rules: the directory of ``path`` must exist (it is not created). Models up to
     :data:`coreai_opt.onnx.save.SINGLE_FILE_LIMIT_BYTES` of tensor data are one file; larger ones put their
@@ -246,16 +247,7 @@ def export_onnx(
     model_proto = _export_proto(model, inputs, chosen_opset, dynamic_batch, in_names, out_names)
     if dynamic_batch:
         _check_batch_is_dynamic(model_proto, inputs)
-    fold_quantized_weights(model_proto)
-    fuse_dynamic_matmuls(model_proto)
-    transpose_dequantized_weights(model_proto)
-    gather_quantized_rows(model_proto)
-    if linears_to_gemm(model_proto):
-        collapse_reshapes(model_proto)
-    reduce_mean_to_global_average_pool(model_proto)
-    drop_zero_biases(model_proto)
-    guard_float8_activations(model_proto)
-    guard_4bit_activations(model_proto)
+    record_report(model_proto, rewrite.apply(model_proto, rewrite.POST_PASSES))
     _strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)
     return path

@@ -6,7 +6,10 @@ allows it and leaves the rest in float between a ``DequantizeLinear`` and a ``Qu
 way to see what happened is to let onnxruntime optimize the model and dump the result
 (``SessionOptions.optimized_model_filepath``); :func:`fusion_report` does that at ``ORT_ENABLE_EXTENDED`` (the
 level that holds the QDQ fusions and writes a portable graph; ``ORT_ENABLE_ALL`` only adds hardware-specific
-layout rewrites on top) and counts the node types.
+layout rewrites on top) and counts the node types. For a file written by ``export_onnx`` it also gives what the
+export's own rewrite rules did and the near misses they recorded (:mod:`coreai_opt.onnx.rewrite.report`), so the
+report says both what onnxruntime fused and why a layer was left as it was ("linears_to_gemm skipped
+node_MatMul_3 (q_proj/linear): weight is per-block").
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import onnx
 
 from coreai_opt.error_boundary import public_api
+from coreai_opt.onnx.rewrite.report import RewriteReport, read_report
 
 __all__ = ["FusionReport", "fusion_report", "optimized_model", "INTEGER_COMPUTE_OPS", "FLOAT_COMPUTE_OPS"]
 
@@ -60,6 +64,7 @@ class FusionReport:
         quantize_linear: ``QuantizeLinear`` nodes left (each is a float -> int round trip at runtime).
         dequantize_linear: ``DequantizeLinear`` nodes left.
         op_counts: Every op type in the optimized graph.
+        rewrites: The export's rewrite report stored in the file (None for files ``export_onnx`` did not write).
     """
 
     integer_compute: dict[str, int]
@@ -69,6 +74,7 @@ class FusionReport:
     quantize_linear: int
     dequantize_linear: int
     op_counts: dict[str, int] = field(repr=False)
+    rewrites: RewriteReport | None = None
 
     @property
     def num_integer_compute(self) -> int:
@@ -96,6 +102,8 @@ class FusionReport:
         lines += [f"  {label:<{width}}  {count:>5}  {detail}".rstrip() for label, count, detail in rows]
         if self.float_compute_nodes:
             lines.append("  float conv/matmul nodes: " + ", ".join(self.float_compute_nodes))
+        if self.rewrites is not None:
+            lines += ["", str(self.rewrites)]
         return "\n".join(lines)
 
 
@@ -138,10 +146,11 @@ def fusion_report(path: str | Path) -> FusionReport:
         path: An ONNX file (external data next to it is fine).
 
     Returns:
-        The :class:`FusionReport`; ``str(report)`` is a table.
+        The :class:`FusionReport`; ``str(report)`` is a table (followed by the export's rewrite report).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ValueError: The file's ``coreai_opt.rewrites`` metadata entry is not a rewrite report.
     """
     path = Path(path)
     if not path.is_file():
@@ -164,4 +173,5 @@ def fusion_report(path: str | Path) -> FusionReport:
         quantize_linear=counts.get("QuantizeLinear", 0),
         dequantize_linear=counts.get("DequantizeLinear", 0),
         op_counts=dict(counts),
+        rewrites=read_report(onnx.load(str(path), load_external_data=False)),
     )

@@ -44,8 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.fusion_report import optimized_model
-from coreai_opt.onnx.graph_index import producers_of
 from coreai_opt.onnx.ort_kernels import Status, kernel_numerics
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.tolerance import FLOAT_PRECISION, tensor_bounds
 
 __all__ = ["Divergence", "localize_divergence"]
@@ -115,29 +115,25 @@ def _module_of(namespace: str) -> str:
     return segments[-1].split(":")[0].split("@")[0] if segments else ""
 
 
-def _initializer(graph_inits: dict[str, onnx.TensorProto], name: str) -> np.ndarray | None:
-    return numpy_helper.to_array(graph_inits[name]) if name in graph_inits else None
+def _initializer(graph: OnnxGraph, name: str) -> np.ndarray | None:
+    tensor = graph.initializer(name)
+    return numpy_helper.to_array(tensor) if tensor is not None else None
 
 
 def _quantizer_boundaries(model: onnx.ModelProto) -> list[_Boundary]:
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    graph = OnnxGraph(model)
     found: list[_Boundary] = []
-    for node in graph.node:
-        if node.op_type != "QuantizeLinear" or node.input[0] in inits:
+    for node in graph.nodes:
+        if node.op_type != "QuantizeLinear" or graph.initializer(node.input[0]) is not None:
             continue
-        spaces = [_namespace(node)] + [_namespace(c) for c in consumers.get(node.output[0], [])]
+        spaces = [_namespace(node)] + [_namespace(c) for c in graph.readers(node.output[0])]
         match = next((m for m in map(_CALL.search, spaces) if m), None)
-        if match is None or node.input[1] not in inits:
+        if match is None or graph.initializer(node.input[1]) is None:
             continue
-        zero_point = _initializer(inits, node.input[2]) if len(node.input) > 2 else None
+        zero_point = _initializer(graph, node.input[2]) if len(node.input) > 2 else None
         axis = next((int(a.i) for a in node.attribute if a.name == "axis"), 1)
         found.append(_Boundary(node.output[0], node, _module_of(next(s for s in spaces if _CALL.search(s))),
-                               int(match.group(1) or 0), _initializer(inits, node.input[1]), zero_point, axis))
+                               int(match.group(1) or 0), _initializer(graph, node.input[1]), zero_point, axis))
     return found
 
 
@@ -263,10 +259,10 @@ def _instrumented(model: onnx.ModelProto, tensors: list[str], directory: Path) -
 
 def _local_kernels(optimized: onnx.ModelProto, tensor: str, boundaries: set[str]) -> Counter[str]:
     """Non-exact kernels that compute ``tensor`` from the boundaries (or inputs / constants) before it."""
-    producer = producers_of(optimized.graph)
+    graph = OnnxGraph(optimized)
     seen, stack, counts = set(), [tensor], Counter()
     while stack:
-        node = producer.get(stack.pop())
+        node = graph.producer(stack.pop())
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))

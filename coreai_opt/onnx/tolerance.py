@@ -37,6 +37,7 @@ import onnx
 from onnx import numpy_helper
 
 from coreai_opt.onnx.ort_kernels import KernelNumerics, Status, kernel_numerics
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
 
 __all__ = ["PathBound", "OutputTolerance", "derive_tolerances", "FLOAT_PRECISION", "UNDERIVED_RELATIVE"]
 
@@ -106,10 +107,9 @@ def _merge(bounds: list[PathBound]) -> PathBound:
                      any(b.quantized for b in bounds), kernels, diverging, sources, all(b.gain_known for b in bounds))
 
 
-def _scale_of(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto], index: int) -> float:
-    if len(node.input) > index and node.input[index] in initializers:
-        return float(np.max(np.abs(numpy_helper.to_array(initializers[node.input[index]]))))
-    return float("nan")
+def _scale_of(node: onnx.NodeProto, graph: OnnxGraph, index: int) -> float:
+    tensor = graph.initializer(node.input[index]) if len(node.input) > index else None
+    return float(np.max(np.abs(numpy_helper.to_array(tensor)))) if tensor is not None else float("nan")
 
 
 def _step(node: onnx.NodeProto, merged: PathBound, entry: KernelNumerics) -> PathBound:
@@ -123,7 +123,7 @@ def _step(node: onnx.NodeProto, merged: PathBound, entry: KernelNumerics) -> Pat
 
 
 def _through(node: onnx.NodeProto, entry: KernelNumerics | None, inputs: list[PathBound],
-             initializers: dict[str, onnx.TensorProto]) -> PathBound:
+             graph: OnnxGraph) -> PathBound:
     """The bound of ``node``'s outputs from its inputs' bounds."""
     merged = _merge(inputs)
     if entry is None:  # unknown kernel: treat as inexact and name it (the audit fails on it separately)
@@ -135,7 +135,7 @@ def _through(node: onnx.NodeProto, entry: KernelNumerics | None, inputs: list[Pa
     if node.op_type == "DequantizeLinear":
         if not merged.quantized:  # a constant weight
             return PathBound(0, False, False, bound.kernels, bound.diverging)
-        source = (node.output[0], _scale_of(node, initializers, 1))
+        source = (node.output[0], _scale_of(node, graph, 1))
         return PathBound(merged.steps, False, True, bound.kernels, bound.diverging, (source,), True)
     inexact = merged.inexact or entry.status is not Status.EXACT
     gain_known = merged.gain_known and (entry.status is Status.EXACT or node.op_type in _AVERAGING)
@@ -145,15 +145,14 @@ def _through(node: onnx.NodeProto, entry: KernelNumerics | None, inputs: list[Pa
 
 def tensor_bounds(model: onnx.ModelProto) -> dict[str, PathBound]:
     """The :class:`PathBound` of every tensor of ``model`` (an onnxruntime-optimized graph, topologically sorted)."""
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
+    graph = OnnxGraph(model)
     bounds: dict[str, PathBound] = {}
     empty = PathBound()
-    for node in graph.node:
+    for node in graph.nodes:
         inputs = [bounds.get(name, empty) for name in node.input if name]
         if node.op_type in ("Shape", "Size"):
             inputs = []  # a shape does not carry values
-        result = _through(node, kernel_numerics(node), inputs, initializers)
+        result = _through(node, kernel_numerics(node), inputs, graph)
         for name in node.output:
             bounds[name] = result
     return bounds

@@ -29,15 +29,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
-from onnx import numpy_helper
 from torch import nn
 
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.fusion_report import FusionReport, fusion_report, optimized_model
-from coreai_opt.onnx.graph_index import producers_of
 from coreai_opt.onnx.input_validation import check_verify_batches
 from coreai_opt.onnx.localize import Divergence, localize_divergence
 from coreai_opt.onnx.output_steps import OutputStep, element_steps
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.rewrite.qdq import QdqView
 from coreai_opt.onnx.runtimes import open_runner
 from coreai_opt.onnx.tolerance import OutputTolerance, derive_tolerances
 
@@ -199,22 +199,19 @@ def _output_steps(model: onnx.ModelProto) -> dict[str, OutputStep]:
     A per-channel scale is only used when the DequantizeLinear produces the output directly (a reshape would
     move its axis).
     """
-    graph = model.graph
-    producer = producers_of(graph)
-    initializers = {t.name: t for t in graph.initializer}
+    graph = OnnxGraph(model)
     steps: dict[str, OutputStep] = {}
-    for output in graph.output:
-        node, moved = producer.get(output.name), False
+    for output in model.graph.output:
+        node, moved = graph.producer(output.name), False
         while node is not None and node.op_type in _VALUE_PRESERVING:
-            node, moved = producer.get(node.input[0]), True
-        if node is None or node.op_type != "DequantizeLinear" or node.input[1] not in initializers:
+            node, moved = graph.producer(node.input[0]), True
+        view = QdqView.of(node, graph)
+        if view is None or not view.is_dequantize or view.scale is None:
             continue
-        scale = numpy_helper.to_array(initializers[node.input[1]]).astype(np.float64)
-        axis = next((int(a.i) for a in node.attribute if a.name == "axis"), 1)
-        zero_point = initializers.get(node.input[2]) if len(node.input) > 2 else None
-        dtype = zero_point.data_type if zero_point is not None else onnx.TensorProto.UINT8
+        scale = view.scale.astype(np.float64)
+        dtype = view.quant_type if view.quant_type is not None else onnx.TensorProto.UINT8
         if scale.size == 1 or not moved:
-            steps[output.name] = OutputStep(scale, axis, dtype)
+            steps[output.name] = OutputStep(scale, view.axis, dtype)
     return steps
 
 

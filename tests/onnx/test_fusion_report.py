@@ -5,13 +5,14 @@ from pathlib import Path
 import pytest
 
 from coreai_opt.onnx import FusionReport, fusion_report
-from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
+from coreai_opt.onnx.rewrite import apply
+from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
 from tests.onnx.onnx_graphs import conv_qdq_model, save
 
 
 def test_fusion_report_counts_qlinearconv_for_full_qdq_conv(tmp_path: Path) -> None:
     model = conv_qdq_model()
-    fold_quantized_weights(model)
+    apply(model, [FoldQuantizedWeights()])
     report = fusion_report(save(model, tmp_path / "conv.onnx"))
     assert isinstance(report, FusionReport)
     assert report.integer_compute == {"QLinearConv": 1}

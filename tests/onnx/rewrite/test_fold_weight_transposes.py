@@ -1,5 +1,8 @@
+"""fold_weight_transposes: DequantizeLinear(W_q) -> Transpose becomes DequantizeLinear(W_qᵀ), bit-identical."""
+
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import ml_dtypes
@@ -9,11 +12,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from coreai_opt.onnx import fusion_report
-from coreai_opt.onnx.transpose_weights import transpose_dequantized_weights
+from coreai_opt.onnx.rewrite.fold_weight_transposes import FoldWeightTransposes
 from tests.onnx.onnx_graphs import run, save
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 
 RNG = np.random.default_rng(7)
 N, K = 16, 64
+RULE = FoldWeightTransposes()
+
+fold_weight_transposes = functools.partial(rewrite_count, rule=RULE)
 
 
 def _linear_model(granularity: str) -> onnx.ModelProto:
@@ -44,37 +51,38 @@ def _linear_model(granularity: str) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("granularity", ["int4_blocked", "int8_per_channel", "int8_per_tensor"])
-def test_transpose_dequantized_weights_drops_transpose_and_keeps_values(granularity: str) -> None:
+def test_fold_weight_transposes_drops_transpose_and_keeps_values(granularity: str) -> None:
     model = _linear_model(granularity)
     x = RNG.standard_normal((2, 4, K)).astype(np.float32)
     expected = run(model, {"x": x})[0]
-    assert transpose_dequantized_weights(model) == 1
+    assert fold_weight_transposes(model) == 1
     onnx.checker.check_model(model, full_check=True)
     assert [n.op_type for n in model.graph.node] == ["DequantizeLinear", "MatMul"]
     stored = {t.name: t for t in model.graph.initializer}
     assert list(stored["w_q"].dims) == [K, N]
     np.testing.assert_array_equal(run(model, {"x": x})[0], expected)
+    assert_idempotent(model, RULE)
 
 
-def test_transpose_dequantized_weights_lets_onnxruntime_use_matmulnbits(tmp_path: Path) -> None:
+def test_fold_weight_transposes_lets_onnxruntime_use_matmulnbits(tmp_path: Path) -> None:
     before = fusion_report(save(_linear_model("int4_blocked"), tmp_path / "before.onnx"))
     model = _linear_model("int4_blocked")
-    transpose_dequantized_weights(model)
+    fold_weight_transposes(model)
     after = fusion_report(save(model, tmp_path / "after.onnx"))
     assert before.num_integer_compute == 0 and before.num_float_compute == 1
     assert after.integer_compute == {"MatMulNBits": 1} and after.num_float_compute == 0
 
 
-def test_transpose_dequantized_weights_leaves_shared_or_non_constant_weights() -> None:
+def test_fold_weight_transposes_leaves_a_weight_whose_dequantized_value_has_other_readers() -> None:
     model = _linear_model("int8_per_channel")
     model.graph.node.append(helper.make_node("Identity", ["w"], ["w_copy"]))  # a second reader of the DQ output
     model.graph.output.append(helper.make_tensor_value_info("w_copy", TensorProto.FLOAT, [N, K]))
     before = model.SerializeToString()
-    assert transpose_dequantized_weights(model) == 0
+    assert fold_weight_transposes(model) == 0
     assert model.SerializeToString() == before
 
 
-def test_transpose_dequantized_weights_copies_a_shared_blocked_zero_point() -> None:
+def test_fold_weight_transposes_copies_a_shared_blocked_zero_point() -> None:
     model = _linear_model("int4_blocked")
     zero = numpy_helper.from_array(np.zeros((N, K // 32), ml_dtypes.int4), "shared_zp")
     model.graph.initializer.append(zero)
@@ -88,8 +96,45 @@ def test_transpose_dequantized_weights_copies_a_shared_blocked_zero_point() -> N
     model.graph.output.append(helper.make_tensor_value_info("other", TensorProto.FLOAT, [N, K]))
     x = RNG.standard_normal((2, 4, K)).astype(np.float32)
     expected = run(model, {"x": x})
-    assert transpose_dequantized_weights(model) == 1
+    assert fold_weight_transposes(model) == 1
     stored = {t.name: list(t.dims) for t in model.graph.initializer}
     assert stored["shared_zp"] == [N, K // 32] and stored["w_q_zero_point_t"] == [K // 32, N]
+    for got, want in zip(run(model, {"x": x}), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fold_weight_transposes_records_why_a_shared_stored_weight_stays() -> None:
+    model = _linear_model("int8_per_channel")
+    model.graph.node.append(helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w_other"], axis=0))
+    model.graph.output.append(helper.make_tensor_value_info("w_other", TensorProto.FLOAT, [N, K]))
+    before = model.SerializeToString()
+    reason = "the stored weight has other readers (it cannot be transposed for one of them)"
+    assert apply_rule(model, RULE) == (0, [reason])
+    assert model.SerializeToString() == before
+
+
+def test_fold_weight_transposes_gives_every_weight_of_a_shared_blocked_scale_its_own_copy() -> None:
+    """Two folded weights share one blocked scale (as identical encoder layers do): both get a transposed copy.
+
+    Sharing is decided on the graph as exported: the second weight must not transpose the shared scale in place
+    after the first one's copy left it with a single reader (that changed the exported bytes).
+    """
+    model = _linear_model("int4_blocked")
+    model.graph.node.extend([
+        helper.make_node("DequantizeLinear", ["w_q2", "w_scale"], ["w2"], axis=1, block_size=32),
+        helper.make_node("Transpose", ["w2"], ["w2_t"], perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "w2_t"], ["y2"]),
+    ])
+    model.graph.initializer.append(numpy_helper.from_array(RNG.integers(-8, 8, (N, K)).astype(ml_dtypes.int4),
+                                                           "w_q2"))
+    model.graph.output.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["B", 4, N]))
+    x = RNG.standard_normal((2, 4, K)).astype(np.float32)
+    expected = run(model, {"x": x})
+    assert fold_weight_transposes(model) == 2
+    stored = {t.name: list(t.dims) for t in model.graph.initializer}
+    assert stored["w_scale"] == [N, K // 32]  # the shared original is left as it was
+    assert stored["w_q_scale_t"] == stored["w_q2_scale_t"] == [K // 32, N]
+    assert [list(n.input)[1] for n in model.graph.node if n.op_type == "DequantizeLinear"] == [
+        "w_q_scale_t", "w_q2_scale_t"]
     for got, want in zip(run(model, {"x": x}), expected, strict=True):
         np.testing.assert_array_equal(got, want)

@@ -1,6 +1,9 @@
+"""fold_quantized_weights: constant weight / bias chains become quantized initializers, bit-exact with onnxruntime."""
+
 from __future__ import annotations
 
 import copy
+import functools
 
 import ml_dtypes
 import numpy as np
@@ -8,10 +11,14 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from coreai_opt.onnx.fold_quantized_weights import fold_quantized_weights
+from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
 from tests.onnx.onnx_graphs import conv_qdq_model, run, weight_qdq_model
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 
 RNG = np.random.default_rng(0)
+RULE = FoldQuantizedWeights()
+
+fold_quantized_weights = functools.partial(rewrite_count, rule=RULE)
 FLOAT8 = ("float8_e4m3fn", "float8_e5m2")
 
 # (zero-point numpy dtype, ONNX type, scale divisor) per quantized type.
@@ -72,6 +79,7 @@ def test_fold_quantized_weights_is_bit_exact_with_onnxruntime_quantize_linear(dt
     assert len(folded.graph.node[0].input) == (2 if dropped else 3)
     assert stored["W_quantized"].data_type == CASES[dtype][1]
     np.testing.assert_array_equal(run(folded, {"x": x})[0], expected)
+    assert_idempotent(folded, RULE)
 
 
 def test_fold_quantized_weights_packs_int4_two_values_per_byte() -> None:
@@ -91,7 +99,7 @@ def test_fold_quantized_weights_folds_int32_bias_and_its_derived_scale() -> None
     x = RNG.standard_normal((2, 3, 8, 8)).astype(np.float32) * 2
     expected = run(model, {"x": x})[0]
 
-    assert fold_quantized_weights(model) == 2  # conv weight + bias
+    assert fold_quantized_weights(model) == 2  # the DequantizeLinear of the conv weight and of the bias
     stored = {t.name: t for t in model.graph.initializer}
     assert stored["conv.bias_quantized"].data_type == TensorProto.INT32
     bias_scale = numpy_helper.to_array(stored["conv.bias_quantized_scale"])
@@ -101,6 +109,7 @@ def test_fold_quantized_weights_folds_int32_bias_and_its_derived_scale() -> None
     assert {"Mul", "Div", "Round", "Cast"}.isdisjoint(n.op_type for n in model.graph.node)
     assert "conv.bias" not in stored and "conv.weight" not in stored
     np.testing.assert_array_equal(run(model, {"x": x})[0], expected)
+    assert_idempotent(model, RULE)
 
 
 def test_fold_quantized_weights_returns_zero_and_keeps_graph_when_nothing_is_constant() -> None:
@@ -151,7 +160,7 @@ def test_fold_quantized_weights_moves_narrow_range_clamp_into_stored_integers(pe
     x = RNG.standard_normal(weight.shape).astype(np.float32)
     expected = run(model, {"x": x})[0]
 
-    assert fold_quantized_weights(model) == 2  # the quantized weight + its clamp
+    assert fold_quantized_weights(model) == 1  # one DequantizeLinear: its weight folded, its clamp moved
     assert [n.op_type for n in model.graph.node] == ["DequantizeLinear", "Add"]
     stored = numpy_helper.to_array({t.name: t for t in model.graph.initializer}["W_quantized"])
     assert stored.min() == -127 and stored.max() == 127
@@ -199,3 +208,33 @@ def test_fold_quantized_weights_folds_int32_bias_chain_with_constant_clip_bounds
     q = numpy_helper.to_array({t.name: t for t in model.graph.initializer}["b_quantized"])
     assert q.dtype == np.int32 and q.tolist() == [3, -13, 2147483520, -2147483648]
     np.testing.assert_array_equal(run(model, {})[0], expected)
+
+
+def test_fold_quantized_weights_records_why_a_float16_weight_stays_float() -> None:
+    weight = RNG.standard_normal((4, 16)).astype(np.float16)
+    model = weight_qdq_model(weight, np.asarray(np.float16(0.05)), np.asarray(np.int8(0)))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    x = RNG.standard_normal(weight.shape).astype(np.float16)
+    expected = run(model, {"x": x})[0]
+    before = model.SerializeToString()
+    count, reasons = apply_rule(model, RULE)
+    assert count == 0
+    assert reasons == ["weight not folded: its QuantizeLinear input is float16 (the folder quantizes float32 only)"]
+    assert model.SerializeToString() == before
+    np.testing.assert_array_equal(run(model, {"x": x})[0], expected)
+
+
+def test_fold_quantized_weights_rewires_every_dequantize_reading_the_same_weight_to_one_initializer() -> None:
+    weight = _weight_with_ties((4, 16))
+    model = weight_qdq_model(weight, np.asarray(np.float32(0.02)), np.asarray(np.int8(0)))
+    model.graph.node.append(onnx.helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["wd2"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("wd2", TensorProto.FLOAT, [4, 16]))
+    x = RNG.standard_normal(weight.shape).astype(np.float32)
+    expected = run(model, {"x": x})
+    assert fold_quantized_weights(model) == 1  # the second DequantizeLinear reads the folded initializer already
+    stored = [t.name for t in model.graph.initializer]
+    assert stored.count("W_quantized") == 1 and not any(name.startswith("W_quantized_") for name in stored)
+    assert [list(n.input)[0] for n in model.graph.node if n.op_type == "DequantizeLinear"] == ["W_quantized"] * 2
+    for got, want in zip(run(model, {"x": x}), expected, strict=True):
+        np.testing.assert_array_equal(got, want)

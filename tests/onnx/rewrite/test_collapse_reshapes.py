@@ -1,11 +1,20 @@
+"""collapse_reshapes: reshapes that cancel or change nothing are dropped, value-identical."""
+
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
+from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
 from tests.onnx.onnx_graphs import run
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
+
+RULE = CollapseReshapes()
+
+collapse_reshapes = functools.partial(rewrite_count, rule=RULE)
 
 
 def _model(nodes: list[onnx.NodeProto], shapes: dict[str, list[int]], outputs: list[str],
@@ -45,6 +54,7 @@ def test_reshape_feeding_a_fixed_reshape_through_elementwise_ops_is_dropped() ->
     assert "rows" not in {t.name for t in model.graph.initializer}  # its shape constant is gone too
     assert not {"flat", "r"} & {v.name for v in model.graph.value_info}  # stale shapes dropped
     _same_outputs(before, model)
+    assert_idempotent(model, RULE)
 
 
 def test_reshape_is_kept_when_a_value_has_another_reader_or_the_target_copies_dims() -> None:
@@ -61,7 +71,9 @@ def test_reshape_is_kept_when_a_value_has_another_reader_or_the_target_copies_di
         helper.make_node("Reshape", ["flat", "copy"], ["y"]),  # 0 = copy a dimension of the input
     ]
     model = _model(copying, {"rows": [-1, 4], "copy": [0, -1]}, ["y"])
-    assert collapse_reshapes(model) == 0
+    before = model.SerializeToString()
+    assert apply_rule(model, RULE) == (0, ["the Reshape it reaches (y) has no fixed target shape"])
+    assert model.SerializeToString() == before
 
 
 def test_reshape_to_the_shape_its_input_already_has_is_dropped() -> None:
@@ -84,3 +96,4 @@ def test_reshape_to_the_shape_its_input_already_has_is_dropped() -> None:
     assert collapse_reshapes(model) == 1 and _ops(model) == ["Relu", "Neg"]
     assert list(model.graph.node[1].input) == ["r"]
     _same_outputs(before, model)
+    assert_idempotent(model, RULE)

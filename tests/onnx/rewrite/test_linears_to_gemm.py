@@ -1,3 +1,5 @@
+"""linears_to_gemm (+ collapse_reshapes): rank > 2 quantized linears run as QGemm, value-identical."""
+
 from __future__ import annotations
 
 import collections
@@ -13,12 +15,15 @@ from torch import nn
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, fusion_report, verify_onnx
-from coreai_opt.onnx.collapse_reshapes import collapse_reshapes
-from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
+from coreai_opt.onnx.rewrite import apply
+from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
+from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
 from tests.onnx.onnx_graphs import run, save
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent
 
 RNG = np.random.default_rng(11)
 K, N = 16, 8
+RULE = LinearsToGemm()
 
 
 class _TokenMlp(nn.Module):
@@ -127,8 +132,8 @@ def test_rewrite_is_value_identical_for_any_leading_shape(tmp_path: Path, lead_n
     model = _linear_graph(lead, bias, output_q)
     rewritten = onnx.ModelProto()
     rewritten.CopyFrom(model)
-    assert linears_to_gemm(rewritten) == 1
-    collapse_reshapes(rewritten)
+    report = apply(rewritten, [RULE, CollapseReshapes()])
+    assert report.counts[RULE.name] == 1 and not report.skipped
     onnx.checker.check_model(rewritten, full_check=True)
     ops = collections.Counter(n.op_type for n in rewritten.graph.node)
     assert ops["Gemm"] == 1 and ops["MatMul"] == 0 and ops["Add"] == 0
@@ -146,15 +151,36 @@ def test_rewrite_is_value_identical_for_any_leading_shape(tmp_path: Path, lead_n
             np.testing.assert_allclose(after_optimized, before_optimized, rtol=0, atol=0.04 + 1e-6)
     if output_q and bias:
         assert fusion_report(save(rewritten, tmp_path / "m.onnx")).integer_compute == {"QGemm": 1}
+    assert_idempotent(rewritten, RULE)
 
 
-def test_rank2_linears_and_unmatched_weights_are_left_alone() -> None:
+def _replace_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:
+    next(t for t in model.graph.initializer if t.name == name).CopyFrom(numpy_helper.from_array(value, name))
+
+
+def test_rank2_linears_are_left_alone_without_a_reason() -> None:
     model = _linear_graph(["b"], bias=True, output_q=True)  # rank 2: the exporter would have written Gemm
-    assert linears_to_gemm(model) == 0
+    before = model.SerializeToString()
+    assert apply_rule(model, RULE) == (0, [])
+    assert model.SerializeToString() == before
+
+
+def test_16_bit_and_blocked_weights_are_left_alone_with_their_reasons() -> None:
     model = _linear_graph(["b", 4], bias=True, output_q=True)
-    for init in model.graph.initializer:  # a 16-bit weight: not a QGemm operand
-        if init.name == "w_q":
-            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.int16), "w_q"))
-        if init.name == "w_zp":
-            init.CopyFrom(numpy_helper.from_array(np.zeros(N, np.int16), "w_zp"))
-    assert linears_to_gemm(model) == 0
+    weight = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == "w_q")
+    _replace_initializer(model, "w_q", weight.astype(np.int16))  # a 16-bit weight: not a QGemm operand
+    _replace_initializer(model, "w_zp", np.zeros(N, np.int16))
+    before = model.SerializeToString()
+    assert apply_rule(model, RULE) == (0, ["weight is int16 (QGemm takes int8 / uint8 weights)"])
+    assert model.SerializeToString() == before
+
+    blocked = _linear_graph(["b", 4], bias=True, output_q=True)
+    dequantize = next(n for n in blocked.graph.node if n.output[0] == "w")
+    dequantize.attribute.extend([helper.make_attribute("block_size", 8)])
+    dequantize.attribute[0].i = 0  # blocks along K: scale and zero point [K / 8, N]
+    _replace_initializer(blocked, "w_scale", np.full((K // 8, N), 0.01, np.float32))
+    _replace_initializer(blocked, "w_zp", np.zeros((K // 8, N), np.int8))
+    x = RNG.standard_normal([2, 4, K]).astype(np.float32)
+    expected = run(blocked, {"x": x})[0]
+    assert apply_rule(blocked, RULE) == (0, ["weight is per-block"])
+    np.testing.assert_array_equal(run(blocked, {"x": x})[0], expected)

@@ -1,4 +1,4 @@
-"""fuse_dynamic_matmuls: DynamicQuantizeLinear -> DQ -> MatMul(DQ(int8 W)) becomes onnxruntime DynamicQuantizeMatMul."""
+"""dynamic_matmuls_to_integer: DynamicQuantizeLinear -> DQ -> MatMul(DQ(int8 W)) becomes DynamicQuantizeMatMul."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.dynamic_matmul import fuse_dynamic_matmuls
+from coreai_opt.onnx.rewrite.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
 from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize
+from tests.onnx.onnx_graphs import run
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent
 
 K, N = 32, 24
+RULE = DynamicMatmulsToInteger()
 
 
 def _model(weight_zero: int = 0, transposed: bool = True) -> onnx.ModelProto:
@@ -52,15 +55,22 @@ def test_rewrite_fuses_and_keeps_values(tmp_path, transposed: bool) -> None:
     x_dq = dynamic_quantize_dequantize(torch.from_numpy(x)).double().numpy()
     w = inits["W"].astype(np.float64) * (inits["ws"][:, None] if transposed else inits["ws"][None, :])
     reference = [x_dq @ (w.T if transposed else w) + inits["b"], np.maximum(x_dq, 0)]
-    assert fuse_dynamic_matmuls(model) == 1
+    before = run(model, {"x": x})  # onnxruntime without graph optimizations: the QDQ arithmetic as written
+    assert apply_rule(model, RULE) == (1, [])
     onnx.checker.check_model(model)
+    assert "Transpose" not in [n.op_type for n in model.graph.node]  # the dead weight path is removed
     outs, ops = _run(model, x, tmp_path, "fused")
     assert "DynamicQuantizeMatMul" in ops or "MatMulIntegerToFloat" in ops
     np.testing.assert_allclose(outs[0], reference[0], rtol=1e-5, atol=1e-4)  # float32 summation order only
     np.testing.assert_array_equal(outs[1], reference[1].astype(np.float32))  # other consumer reads the DQ
+    after = run(model, {"x": x})
+    np.testing.assert_allclose(after[0], before[0], rtol=1e-5, atol=1e-4)  # float32 summation order only
+    np.testing.assert_array_equal(after[1], before[1])
+    assert_idempotent(model, RULE)
 
 
-def test_nonzero_weight_zero_point_is_left_alone() -> None:
+def test_nonzero_weight_zero_point_is_left_alone_with_its_reason() -> None:
     model = _model(weight_zero=3)
-    assert fuse_dynamic_matmuls(model) == 0
-    assert "MatMul" in [n.op_type for n in model.graph.node]
+    before = model.SerializeToString()
+    assert apply_rule(model, RULE) == (0, ["weight zero point is not 0"])
+    assert model.SerializeToString() == before

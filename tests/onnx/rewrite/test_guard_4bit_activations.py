@@ -1,4 +1,4 @@
-"""``guard_4bit_activations`` on a hand-built ``Q -> DQ -> Conv -> Q -> DQ -> MaxPool`` graph with uint4 activations."""
+"""guard_4bit_activations on a hand-built ``Q -> DQ -> Conv -> Q -> DQ -> MaxPool`` graph with uint4 activations."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph
 
-from coreai_opt.onnx.guard_4bit_activations import guard_4bit_activations
+from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivations
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
+
+RULE = GuardFourBitActivations()
+
+
+def guard_4bit_activations(model: onnx.ModelProto) -> int:
+    return rewrite_count(model, RULE)
 
 
 def _model() -> onnx.ModelProto:
@@ -71,3 +78,20 @@ def test_onnxruntime_runs_the_guarded_file_optimized_and_bit_identical_to_unopti
         _run(plain, x, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     assert np.array_equal(_run(guarded, x, ort.GraphOptimizationLevel.ORT_ENABLE_ALL), reference)
     assert np.array_equal(_run(guarded, x, ort.GraphOptimizationLevel.ORT_DISABLE_ALL), reference)
+
+
+def test_guards_are_applied_once_and_share_one_bound() -> None:
+    model = _model()
+    guard_4bit_activations(model)
+    bounds = [t.name for t in model.graph.initializer if t.name.startswith("four_bit_guard_lowest")]
+    assert bounds == ["four_bit_guard_lowest"]
+    assert {n.input[1] for n in model.graph.node if n.op_type == "Max"} == {"four_bit_guard_lowest"}
+    assert_idempotent(model, RULE)
+
+
+def test_a_quantizer_of_a_graph_input_is_a_recorded_near_miss() -> None:
+    """``q_in`` reads the graph input ``x``: nothing in front of it can fuse, so it gets no guard, and says why."""
+    model = _model()
+    count, reasons = apply_rule(model, RULE)
+    assert count == 3
+    assert reasons == ["reads a graph input: no op in front of it to keep from fusing"]

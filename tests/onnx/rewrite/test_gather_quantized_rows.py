@@ -1,8 +1,12 @@
+"""gather_quantized_rows: DequantizeLinear(table) -> Gather becomes Gather -> dequantize rows, bit-identical."""
+
 from __future__ import annotations
 
 import collections
+import functools
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -13,11 +17,15 @@ from torch import nn
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.onnx.gather_quantized_rows import gather_quantized_rows
+from coreai_opt.onnx.rewrite.gather_quantized_rows import GatherQuantizedRows
 from tests.onnx.onnx_graphs import run
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 
 RNG = np.random.default_rng(3)
 VOCAB, DIM = 50, 8
+RULE = GatherQuantizedRows()
+
+gather_quantized_rows = functools.partial(rewrite_count, rule=RULE)
 
 
 def _table_model(granularity: str, tied: bool = False, table_type: int = TensorProto.INT8) -> onnx.ModelProto:
@@ -71,6 +79,7 @@ def test_gathering_before_dequantizing_is_bit_identical(granularity: str, table_
     feeds = _feeds(False)
     for optimize in (False, True):
         np.testing.assert_array_equal(run(model, feeds, optimize)[0], run(before, feeds, optimize)[0])
+    assert_idempotent(model, RULE)
 
 
 def test_a_table_also_read_by_a_matmul_keeps_its_dequantize_for_that_reader() -> None:
@@ -84,6 +93,20 @@ def test_a_table_also_read_by_a_matmul_keeps_its_dequantize_for_that_reader() ->
     feeds = _feeds(True)
     for a, b in zip(run(model, feeds), run(before, feeds), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_an_int4_table_keeps_its_dequantize_with_its_reason() -> None:
+    model = _table_model("per_tensor")
+    table = next(t for t in model.graph.initializer if t.name == "table_q")
+    table.CopyFrom(numpy_helper.from_array(RNG.integers(-8, 8, (VOCAB, DIM)).astype(ml_dtypes.int4), "table_q"))
+    zero_point = next(t for t in model.graph.initializer if t.name == "zp")
+    zero_point.CopyFrom(numpy_helper.from_array(np.array(1, ml_dtypes.int4), "zp"))
+    feeds = _feeds(False)
+    expected = run(model, feeds)[0]
+    before = model.SerializeToString()
+    assert apply_rule(model, RULE) == (0, ["table is int4 of rank 2 (Gather reads 2-D 8/16-bit tables)"])
+    assert model.SerializeToString() == before
+    np.testing.assert_array_equal(run(model, feeds)[0], expected)
 
 
 class _Embedder(nn.Module):

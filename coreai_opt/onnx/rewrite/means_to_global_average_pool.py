@@ -1,0 +1,81 @@
+"""Rule: write a quantized spatial mean as ``GlobalAveragePool`` so onnxruntime runs it on integers.
+
+The exporter writes a CNN's global average pool (``x.mean((2, 3))``, ``adaptive_avg_pool2d(x, 1)``) as
+``ReduceMean(axes=[-2, -1])``. Between a ``DequantizeLinear`` and a ``QuantizeLinear`` onnxruntime leaves it in
+float (a DQ, a float reduction and a Q at run time); the same mean written as ``GlobalAveragePool`` fuses into
+its integer ``QLinearGlobalAveragePool``. The rewrite::
+
+    DQ -> ReduceMean(axes = last two of a 4-D input, keepdims=1) -> Q   ==>   DQ -> GlobalAveragePool -> Q
+    DQ -> ReduceMean(..., keepdims=0) -> Q                              ==>   DQ -> GlobalAveragePool -> Q -> Flatten
+
+``GlobalAveragePool`` of ``[N, C, H, W]`` is the mean over ``H, W`` with shape ``[N, C, 1, 1]``; ``Flatten(axis=1)``
+moves the quantized ``[N, C, 1, 1]`` to ``[N, C]``. Only 4-D inputs (rank from the graph's shape annotations)
+whose only reader is a ``QuantizeLinear`` are rewritten; other means of a dequantized 4-D (or unknown-rank) tensor
+are near misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx
+from onnx import helper
+
+from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
+from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule
+
+__all__ = ["MeansToGlobalAveragePool"]
+
+
+@dataclass(frozen=True)
+class _Site(Match):
+    quantize: onnx.NodeProto
+    keepdims: bool
+
+
+def _axes(node: onnx.NodeProto, graph: OnnxGraph) -> list[int] | None:
+    attrs = attributes_of(node)
+    if "axes" in attrs:  # opset < 18
+        return [int(a) for a in attrs["axes"]]
+    if len(node.input) > 1 and graph.initializer(node.input[1]) is not None:
+        value = graph.constant(node.input[1])
+        return None if value is None else [int(a) for a in value.reshape(-1)]
+    return None
+
+
+class MeansToGlobalAveragePool(Rule):
+    """Rewrite a quantized spatial ``ReduceMean`` of a 4-D tensor into ``GlobalAveragePool`` (module docstring)."""
+
+    name = "means_to_global_average_pool"
+    anchors = frozenset({"ReduceMean"})
+
+    def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
+        """A ``ReduceMean`` of a dequantized tensor that is (or may be) 4-D."""
+        producer = graph.producer(node.input[0])
+        rank = graph.rank(node.input[0])
+        if producer is None or producer.op_type != "DequantizeLinear" or rank not in (4, None):
+            return None  # e.g. a transformer's mean over the sequence: not a spatial pool
+        if rank is None:
+            return Fail("input rank is unknown (no shape recorded for it)")
+        users = graph.readers(node.output[0])
+        if node.output[0] in graph.outputs or len(users) != 1 or users[0].op_type != "QuantizeLinear":
+            return Fail("the mean is not read by a single QuantizeLinear")
+        axes = _axes(node, graph)
+        if axes is None or sorted(a % 4 for a in axes) != [2, 3]:
+            return Fail(f"it reduces axes {axes}, not the spatial axes [2, 3]")
+        return _Site(node, users[0], bool(int(attributes_of(node).get("keepdims", 1))))
+
+    def rewrite(self, match: _Site, graph: OnnxGraph) -> None:
+        """``GlobalAveragePool`` in place of the mean; ``Q -> Flatten`` when the mean dropped the reduced axes."""
+        node = match.node
+        graph.replace(node, [helper.make_node("GlobalAveragePool", [node.input[0]], [node.output[0]],
+                                              name=f"{node.name}_pool")])
+        graph.forget_shapes({node.output[0]})  # [N, C] -> [N, C, 1, 1]
+        if not match.keepdims:
+            quantize = match.quantize
+            pooled_q = graph.unique_name(f"{quantize.output[0]}_4d")
+            graph.replace(quantize, [
+                helper.make_node("QuantizeLinear", list(quantize.input), [pooled_q], name=quantize.name,
+                                 **attributes_of(quantize)),
+                helper.make_node("Flatten", [pooled_q], [quantize.output[0]], name=f"{node.name}_flatten", axis=1),
+            ])
