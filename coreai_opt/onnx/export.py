@@ -9,12 +9,14 @@ post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per
 2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> MatMulInteger (DynamicQuantizeMatMul);
 3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul, e.g. MatMulNBits);
 4. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
-5. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
-6. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
-7. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
-8. ``drop_zero_biases``: drop all-zero conv / gemm biases;
-9. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
-10. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
+5. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
+6. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
+7. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
+8. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
+9. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
+10. ``drop_zero_biases``: drop all-zero conv / gemm biases;
+11. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
+12. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
     kernels it has no 4-bit form of;
 
 -> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry

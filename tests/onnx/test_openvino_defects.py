@@ -13,6 +13,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from coreai_opt.onnx.rewrite import apply
+from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
+from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
 from coreai_opt.onnx.runtimes import open_runner
 from tests.onnx.openvino_graphs import MEAN_OUT, conv_16bit_output, embedding_add, sequence_mean
 
@@ -37,7 +40,11 @@ def test_reduce_sum_div_rewrite_makes_openvino_agree_and_keeps_onnxruntime_bit_e
                                                                                       tmp_path: Path) -> None:
     x = np.random.default_rng(seq).standard_normal((64, seq, 32)).astype(np.float32)
     ort_mean, _ = _both(sequence_mean(seq, as_sum_div=False), {"x": x}, tmp_path / "mean.onnx")
-    ort_y, ov_y = _both(sequence_mean(seq, as_sum_div=True), {"x": x}, tmp_path / "sum_div.onnx")
+    rewritten = onnx.shape_inference.infer_shapes(sequence_mean(seq, as_sum_div=False))  # shapes, as exported
+    assert apply(rewritten, [MeansToSumAndDivide()]).counts == {"means_to_sum_and_divide": 1}  # the export rule
+    by_hand = sequence_mean(seq, as_sum_div=True)
+    assert [n.op_type for n in rewritten.graph.node] == [n.op_type for n in by_hand.graph.node]
+    ort_y, ov_y = _both(rewritten, {"x": x}, tmp_path / "sum_div.onnx")
     assert np.array_equal(ort_y, ort_mean)  # onnxruntime's ReduceMean is ReduceSum / n, bit for bit
     assert np.array_equal(ov_y, ort_y)
 
@@ -74,8 +81,9 @@ def test_folding_the_constant_position_branch_makes_openvino_compile_and_agree(t
     tokens = np.random.default_rng(1).integers(0, 100, (32, 16)).astype(np.int64)
     original = ort.InferenceSession(embedding_add(np.random.default_rng(0)).SerializeToString(),
                                     providers=["CPUExecutionProvider"]).run(None, {"tokens": tokens})[0]
-    ort_y, ov_y = _both(embedding_add(np.random.default_rng(0), fold_positions=True), {"tokens": tokens},
-                        tmp_path / "folded.onnx")
+    folded = embedding_add(np.random.default_rng(0))
+    assert apply(folded, [FoldConstantActivations()]).counts == {"fold_constant_activations": 1}  # the export rule
+    ort_y, ov_y = _both(folded, {"tokens": tokens}, tmp_path / "folded.onnx")
     assert np.array_equal(ort_y, original)
     assert np.array_equal(ov_y, ort_y)
 

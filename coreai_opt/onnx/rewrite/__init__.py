@@ -9,12 +9,14 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> ``MatMulInteger`` (``DynamicQuantizeMatMul``).
 3. ``fold_weight_transposes``: ``DQ(W) -> Transpose`` -> ``DQ(Wᵀ)`` (``DQ -> MatMul``, e.g. ``MatMulNBits``).
 4. ``gather_quantized_rows``: ``DQ(table) -> Gather`` -> ``Gather -> DQ`` (dequantize only the rows read).
-5. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
-6. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
-7. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
-8. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-9. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-10. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+5. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
+6. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
+7. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
+8. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
+9. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
+10. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+11. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+12. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
 unchanged exported model already changes its bytes (measured on a 3-linear model: it drops the ``value_info`` of 10
@@ -32,6 +34,7 @@ import onnx
 from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.drop_zero_biases import DropZeroBiases
 from coreai_opt.onnx.rewrite.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
+from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
 from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
 from coreai_opt.onnx.rewrite.fold_weight_transposes import FoldWeightTransposes
 from coreai_opt.onnx.rewrite.gather_quantized_rows import GatherQuantizedRows
@@ -40,6 +43,7 @@ from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivatio
 from coreai_opt.onnx.rewrite.guard_float8_activations import GuardFloat8Activations
 from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
 from coreai_opt.onnx.rewrite.means_to_global_average_pool import MeansToGlobalAveragePool
+from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
 from coreai_opt.onnx.rewrite.report import RewriteReport, read_report, record_report
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, run_rules
 
@@ -52,9 +56,11 @@ POST_PASSES: tuple[Rule, ...] = (
     DynamicMatmulsToInteger(),
     FoldWeightTransposes(),
     GatherQuantizedRows(),
+    FoldConstantActivations(),
     LinearsToGemm(),
     CollapseReshapes(),
     MeansToGlobalAveragePool(),
+    MeansToSumAndDivide(),
     DropZeroBiases(),
     GuardFloat8Activations(),
     GuardFourBitActivations(),

@@ -6,7 +6,7 @@ The arithmetic is onnxruntime's, so a folded value equals what the unfolded grap
   (``x / scale``, not ``x * (1 / scale)``); float8 targets divide, saturate to ``±max`` (when ``saturate=1``) and
   round to nearest even through ``ml_dtypes``. Per-tensor, per-axis and blocked (``block_size``) scales.
 * ``Div``/``Mul``/``Add``/``Sub`` in the inputs' dtype (IEEE float32, as in onnxruntime), ``Round`` half to even,
-  ``Cast``, ``Clip``, ``Identity``, ``Reshape``.
+  ``Cast``, ``Clip``, ``Identity``, ``Reshape``, ``Gather`` and ``Unsqueeze`` (data movement: exact).
 
 Anything else, or a non-float32 ``QuantizeLinear`` input, is not evaluated; :attr:`ConstantFolder.refusal` then
 says why when the refusing op had constant inputs.
@@ -121,6 +121,25 @@ def _reshape(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray:
     return x.reshape(dims)
 
 
+def _gather(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | str:
+    data, indices = inputs
+    axis = int(attributes_of(node).get("axis", 0)) % data.ndim
+    size = data.shape[axis]
+    if indices.size and (indices.min() < -size or indices.max() >= size):
+        return "its Gather has an index out of range"
+    return np.take(data, np.where(indices < 0, indices + size, indices).astype(np.int64), axis=axis)
+
+
+def _unsqueeze(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray:
+    x = inputs[0]
+    attrs = attributes_of(node)
+    axes = [int(a) for a in (attrs["axes"] if "axes" in attrs else np.ravel(inputs[1]))]  # opset < 13: attribute
+    rank = x.ndim + len(axes)
+    for axis in sorted(a % rank for a in axes):
+        x = np.expand_dims(x, axis)
+    return x
+
+
 _EVALUATORS: dict[str, _Evaluator] = {
     "QuantizeLinear": _quantize_linear,
     "Div": _binary(np.divide),
@@ -132,6 +151,8 @@ _EVALUATORS: dict[str, _Evaluator] = {
     "Clip": _clip,
     "Identity": lambda node, inputs: inputs[0],
     "Reshape": _reshape,
+    "Gather": _gather,
+    "Unsqueeze": _unsqueeze,
 }
 
 
