@@ -36,6 +36,7 @@ from coreai_opt.passes.functionalize_inplace import functionalize_inplace
 from coreai_opt.passes.node_meta import META_KEY, NodeMeta, set_meta
 from coreai_opt.passes.savable_graph_module import SavableGraphModule
 from coreai_opt.passes.shape_guards import check_shape_guards
+from coreai_opt.passes.views_to_reshapes import views_to_reshapes
 
 __all__ = ["capture", "CaptureError"]
 
@@ -267,7 +268,8 @@ def _capture_export(
     gm.graph.lint()
     gm.recompile()
     gm.train(was_training)
-    return functionalize_inplace(gm).graph_module
+    gm = functionalize_inplace(gm).graph_module
+    return views_to_reshapes(gm).graph_module  # the traced views assumed the strides of torch's kernels
 
 
 def _record_scopes(gm: fx.GraphModule, model: nn.Module) -> None:
