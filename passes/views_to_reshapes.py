@@ -1,4 +1,4 @@
-"""Write every ``aten.view`` of a functional graph as ``aten.reshape``, so the graph does not depend on strides.
+r"""Write every ``aten.view`` of a functional graph as ``aten.reshape``, so the graph does not depend on strides.
 
 ``torch.export`` records ``x.reshape(shape)`` as ``aten.view`` whenever the *traced* strides of ``x`` allow a view.
 Those strides come from the kernels that ran while tracing: ``scaled_dot_product_attention``'s CPU kernel returns
@@ -13,8 +13,8 @@ view, so a view and a reshape are the same function:
 
 .. math::
 
-    \\mathrm{reshape}(x, s) = \\begin{cases} \\mathrm{view}(x, s) & x \\text{ viewable as } s \\\\
-    \\mathrm{view}(\\mathrm{contiguous}(x), s) & \\text{otherwise} \\end{cases}
+    \mathrm{reshape}(x, s) = \begin{cases} \mathrm{view}(x, s) & x \text{ viewable as } s \\
+    \mathrm{view}(\mathrm{contiguous}(x), s) & \text{otherwise} \end{cases}
 
 and the rewrite changes no value, only which memory the result may share.
 """
