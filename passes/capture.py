@@ -32,11 +32,13 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from coreai_opt.passes.capture_error import CaptureError, InplaceAliasError, ShapeGuardError
+from coreai_opt.passes.dynamic_dims import dynamic_axes
 from coreai_opt.passes.functionalize_inplace import functionalize_inplace
-from coreai_opt.passes.graph_meta import GraphMeta, set_graph_meta
+from coreai_opt.passes.graph_meta import GraphMeta, get_graph_meta, set_graph_meta
 from coreai_opt.passes.node_meta import NodeMeta, set_meta
 from coreai_opt.passes.savable_graph_module import SavableGraphModule
 from coreai_opt.passes.shape_guards import check_shape_guards
+from coreai_opt.passes.views_to_reshapes import views_to_reshapes
 
 __all__ = ["capture", "CaptureError"]
 
@@ -208,15 +210,24 @@ def _check_dynamic_shapes(model: nn.Module, dynamic_shapes: dict[str, Any] | Non
                          f"(its arguments: {names})")
 
 
+def _optional_dims(bound: dict[str, Any], dynamic_shapes: dict[str, Any] | None) -> dict[str, dict[int, Any]]:
+    """Dimensions 1.. of every top-level tensor argument the user left to the default, of example size > 1."""
+    return {name: {d: torch.export.Dim.AUTO for d in range(1, value.dim()) if value.shape[d] > 1}
+            for name, value in bound.items() if isinstance(value, torch.Tensor) and name not in (dynamic_shapes or {})}
+
+
 def _export_dynamic_shapes(bound: dict[str, Any], dynamic_shapes: dict[str, Any] | None) -> dict[str, Any]:
     """The default per-argument spec with the user's ``dynamic_shapes`` entries replacing it where given.
 
-    A dimension of size 0 or 1 in the example cannot be exported as dynamic (torch.export would trace the
-    size-1 special cases of every op), so it stays a constant; when that is the batch of every input a warning
-    says so.
+    The default makes dimension 0 of every tensor dynamic, and every further dimension of a top-level tensor
+    argument dynamic where the model allows it (see :func:`_optional_dims`). A dimension of size 0 or 1 in the
+    example cannot be exported as dynamic (torch.export would trace the size-1 special cases of every op), so it
+    stays a constant; when that is the batch of every input a warning says so.
     """
     sizes: list[int] = []
     spec = {name: _dynamic_batch(value, sizes) for name, value in bound.items()}
+    for name, dims in _optional_dims(bound, dynamic_shapes).items():
+        spec[name] = {**(spec[name] or {}), **dims} or None
     if dynamic_shapes is None and sizes and max(sizes) <= 1:
         warnings.warn(
             f"every example input has batch {max(sizes)}; torch.export captures a batch of 0 or 1 as a constant, so "
@@ -226,6 +237,24 @@ def _export_dynamic_shapes(bound: dict[str, Any], dynamic_shapes: dict[str, Any]
             stacklevel=4,
         )
     return {**spec, **(dynamic_shapes or {})}
+
+
+def _export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], spec: dict[str, Any]
+                    ) -> torch.export.ExportedProgram:
+    was_training = model.training
+    model.eval()
+    try:
+        # Size-oblivious: a comparison of a dynamic size with 0 or 1 becomes a guard (checked below) instead of
+        # the exporter's silent assumption that the size is never 0 or 1.
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
+    except Exception as exc:
+        raise CaptureError(
+            f"torch.export failed at {_culprit_frame(exc, skip_torch=True)}: {type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        ) from exc
+    finally:
+        model.train(was_training)
 
 
 def _mutates(program: torch.export.ExportedProgram) -> bool:
@@ -238,24 +267,22 @@ def _capture_export(
 ) -> fx.GraphModule:
     signature = inspect.signature(model.forward)
     bound = signature.bind(*args, **kwargs)
-    spec = _export_dynamic_shapes(dict(bound.arguments), dynamic_shapes)
     was_training = model.training
-    model.eval()
-    try:
-        # Size-oblivious: a comparison of a dynamic size with 0 or 1 becomes a guard (checked below) instead of
-        # the exporter's silent assumption that the size is never 0 or 1.
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            program = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=spec)
-    except Exception as exc:
-        raise CaptureError(
-            f"torch.export failed at {_culprit_frame(exc, skip_torch=True)}: {type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        ) from exc
-    finally:
-        model.train(was_training)
-    check_shape_guards(program, type(model).__name__)
+    spec = _export_dynamic_shapes(dict(bound.arguments), dynamic_shapes)
+    optional = {f"{name}.size({d})": (name, d) for name, dims in _optional_dims(dict(bound.arguments),
+                                                                                 dynamic_shapes).items() for d in dims}
+    while True:
+        program = _export_program(model, args, kwargs, spec)
+        guarded = check_shape_guards(program, type(model).__name__, frozenset(optional))
+        if not guarded:
+            break
+        for text in guarded:  # forward branches on a size the user did not ask for: capture it at its example size
+            name, dim = optional.pop(text)
+            spec[name] = {d: v for d, v in spec[name].items() if d != dim} or None
+            logger.info("%s is captured static: %s.forward branches on it", text, type(model).__name__)
     if _mutates(program):  # in-place ops, writes into views, out= calls: torch's functionalization replays them
         program = program.run_decompositions({})
+    axes = dynamic_axes(program, list(signature.parameters))
     exported = program.module()
     # A plain GraphModule (same graph, same pytree codegen) so that train()/eval() work like any module and
     # pickle / torch.save store it (see savable_graph_module).
@@ -268,7 +295,9 @@ def _capture_export(
     gm.graph.lint()
     gm.recompile()
     gm.train(was_training)
-    return functionalize_inplace(gm).graph_module
+    set_graph_meta(gm, GraphMeta(capture="export", dynamic_axes=axes))
+    gm = functionalize_inplace(gm).graph_module
+    return views_to_reshapes(gm).graph_module  # the traced views assumed the strides of torch's kernels
 
 
 def _record_scopes(gm: fx.GraphModule, model: nn.Module) -> None:
@@ -365,5 +394,7 @@ def capture(
     logger.info("captured %s with %s", type(model).__name__, used)
     _record_scopes(gm, copied)
     names = [p for p in inspect.signature(model.forward).parameters if p not in (concrete_args or {})]
-    set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names)))
+    captured = get_graph_meta(gm)  # the export capture records its symbolic axes
+    set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names),
+                                 dynamic_axes=captured.dynamic_axes if captured is not None else None))
     return gm

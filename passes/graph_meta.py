@@ -42,6 +42,9 @@ class GraphMeta:
         qat: True when prepared for quantization-aware training.
         input_specs: The tensor example inputs of ``prepare`` (calibration batches are checked against them).
         config: ``QuantizerConfig.to_dict()`` of the config used by ``prepare`` (None before ``prepare``).
+        dynamic_axes: The axes the capture kept symbolic, ``{argument: {dimension: axis name}}`` (``batch``,
+            ``sequence``, ``height``, ``width``; see :mod:`coreai_opt.passes.dynamic_dims`); None for an FX capture,
+            whose export keeps the batch axis only.
     """
 
     capture: str
@@ -50,6 +53,7 @@ class GraphMeta:
     qat: bool = False
     input_specs: tuple[InputSpec, ...] = ()
     config: dict[str, Any] | None = None
+    dynamic_axes: dict[str, dict[int, str]] | None = None
 
     def __getitem__(self, key: str) -> Any:
         """Dict-style read access (``meta["config"]``), as with the dict this class replaced."""
@@ -68,7 +72,7 @@ class GraphMeta:
         specs = tuple(InputSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data.get("input_specs", ()))
         return cls(capture=str(data.get("capture", "?")), input_names=tuple(data.get("input_names", ())),
                    converted=bool(data.get("converted", False)), qat=bool(data.get("qat", False)),
-                   input_specs=specs, config=data.get("config"))
+                   input_specs=specs, config=data.get("config"), dynamic_axes=data.get("dynamic_axes"))
 
 
 def _field(record: object, key: str) -> Any:

@@ -94,22 +94,49 @@ def _fixes(where: str, data_dependent: bool) -> str:
     return f"remove the size-dependent code (e.g. reshape with -1 instead of a literal size), or {static}"
 
 
-def check_shape_guards(program: torch.export.ExportedProgram, model_name: str) -> None:
+def _holds_from_two(expr: Any, sym: Any) -> bool:
+    """Whether guard ``expr`` holds for every size ``sym >= 2`` (e.g. ``s > 1``, ``s != 1``: a size-1 fast path).
+
+    ``torch.export`` itself assumes every dynamic size is at least 2; an optional dimension keeps that assumption
+    instead of being captured static for a branch that only size 0 or 1 would take.
+    """
+    above = sympy.Symbol("_k", integer=True, nonnegative=True)
+    return bool(expr.subs(sym, above + 2) == sympy.true)
+
+
+def check_shape_guards(
+    program: torch.export.ExportedProgram, model_name: str, optional: frozenset[str] = frozenset()
+) -> frozenset[str]:
     """Raise when ``program`` specialises or guards a dimension that was exported as dynamic.
 
     Args:
         program: The exported program (before ``.module()``).
         model_name: The model's class name, for the message.
+        optional: Dimensions (``"x.size(1)"``) that are dynamic only where the model allows it: one the model fixes
+            is accepted as a constant, one it guards is returned instead of raised (capture them static), except
+            for guards that hold for every size >= 2 (see :func:`_holds_from_two`), which are accepted.
+
+    Returns:
+        The optional dimensions the model's own code guards.
 
     Raises:
         ShapeGuardError: names the input and dimension, the condition, the source line and the fixes.
     """
     env = _shape_env(program)
     if env is None:
-        return
+        return frozenset()
     names = {sym: _dimension(sources)[1] for sym, sources in env.var_to_sources.items()}
+    user_guards = [guard for guard in env.guards if _is_user_code(_frame(guard.sloc))]
+    guarded = frozenset(text for sym, sources in env.var_to_sources.items()
+                        if (text := _dimension(sources)[1]) in optional
+                        and any(sym in guard.expr.free_symbols and not _holds_from_two(guard.expr, sym)
+                                for guard in user_guards))
+    if guarded:  # a guard may involve a required dimension too: judge those once the optional ones are static
+        return guarded
     for sym, sources in env.var_to_sources.items():
         dimension, text = _dimension(sources)
+        if text in optional:
+            continue
         top = text.split(".")[0].split("[")[0]
         value = env.replacements.get(sym)
         if value is not None and getattr(value, "is_number", False):
@@ -127,3 +154,4 @@ def check_shape_guards(program: torch.export.ExportedProgram, model_name: str) -
                     f"{text} = {env.backed_var_to_val.get(sym)}) and would silently take it for every other size too. "
                     f"Fix: {_fixes(top, True)}"
                 )
+    return frozenset()

@@ -38,6 +38,8 @@ from torch import nn
 from coreai_opt import third_party_noise
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx import rewrite
+from coreai_opt.onnx.dynamic_axes import BATCH, DynamicShapes, check_axes_are_dynamic, input_axes, torch_dynamic_shapes
+from coreai_opt.onnx.export_routes import export_with_fallback, torchscript_export
 from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
@@ -50,7 +52,7 @@ from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequant
 __all__ = ["export_onnx", "BATCH_DIM_NAME"]
 
 #: Name of the symbolic batch dimension in the exported graph.
-BATCH_DIM_NAME = "batch"
+BATCH_DIM_NAME = BATCH
 #: Exporter node metadata kept in the file (the module path each node came from).
 _KEPT_NODE_METADATA = frozenset({"namespace"})
 
@@ -109,25 +111,6 @@ def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     return len(leaves)
 
 
-def _dynamic_shapes(
-    inputs: tuple[torch.Tensor, ...], dynamic_batch: bool
-) -> tuple[dict[int, object] | None, ...] | None:
-    if not dynamic_batch:
-        return None
-    batch = torch.export.Dim(BATCH_DIM_NAME)
-    return tuple({0: batch} if t.dim() > 0 else None for t in inputs)
-
-
-def _check_batch_is_dynamic(model_proto: onnx.ModelProto, inputs: tuple[torch.Tensor, ...]) -> None:
-    for value, tensor in zip(model_proto.graph.input, inputs, strict=True):
-        dims = value.type.tensor_type.shape.dim
-        if tensor.dim() > 0 and dims and not dims[0].dim_param:
-            raise ValueError(
-                f"the batch dimension of input {value.name!r} was exported as the constant {dims[0].dim_value}: "
-                "the model's code fixes it (e.g. a reshape to a literal batch size); export with dynamic_batch=False"
-            )
-
-
 def _strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
     """Keep only the ``namespace`` (module path) of each node's exporter metadata.
 
@@ -142,16 +125,17 @@ def _strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
 
 
 def _export_proto(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, dynamic_batch: bool,
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
     input_names: list[str], output_names: list[str],
 ) -> onnx.ModelProto:
     with third_party_noise.scoped():  # the exporter's known harmless warnings, for this call only
-        program = _dynamo_export(model, inputs, opset, dynamic_batch, input_names, output_names)
-    return program.model_proto
+        return export_with_fallback(
+            lambda: _dynamo_export(model, inputs, opset, axes, input_names, output_names).model_proto,
+            lambda: torchscript_export(model, inputs, opset, axes, input_names, output_names))
 
 
 def _dynamo_export(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, dynamic_batch: bool,
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
     input_names: list[str], output_names: list[str],
 ) -> torch.onnx.ONNXProgram:
     return torch.onnx.export(
@@ -163,7 +147,7 @@ def _dynamo_export(
             **quantize_dequantize_translation_table(opset),
             **dynamic_quantize_dequantize_translation_table(opset),
         },
-        dynamic_shapes=_dynamic_shapes(inputs, dynamic_batch),
+        dynamic_shapes=torch_dynamic_shapes(axes),
         input_names=input_names,
         output_names=output_names,
         external_data=False,
@@ -192,6 +176,7 @@ def export_onnx(
     dynamic_batch: bool = True,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
+    dynamic_shapes: DynamicShapes | None = None,
 ) -> Path:
     """Export a converted model to an ONNX QDQ file that onnxruntime runs.
 
@@ -222,8 +207,12 @@ def export_onnx(
             float8: 19, int16/uint16/int4/uint4 or any per-block quantizer: 21), and at least 20 when the model
             has a GELU, so it exports as one ``Gelu`` op (see :mod:`coreai_opt.onnx.opset`).
         dynamic_batch: Make dimension 0 of every input (and the outputs depending on it) symbolic (``"batch"``).
+            Other axes: a model captured with ``torch.export`` keeps every axis its capture kept symbolic
+            (``"sequence"``, ``"height"``, ``"width"``, ``"<input>_dim<i>"``); other models only the batch.
         input_names: Graph input names; default: the model's argument names.
         output_names: Graph output names; default ``"output"`` (one output) or ``"output_0"``, ``"output_1"``, ...
+        dynamic_shapes: Per graph input name, ``{dimension: axis name}`` to make symbolic, or None for a fixed
+            shape; replaces the default for the inputs it names (see :mod:`coreai_opt.onnx.dynamic_axes`).
 
     Returns:
         The path written, as a :class:`~pathlib.Path`.
@@ -246,9 +235,9 @@ def export_onnx(
     out_names = _names(output_names, default_out, num_outputs, "output_names")
     check_io_names(in_names, out_names)
 
-    model_proto = _export_proto(model, inputs, chosen_opset, dynamic_batch, in_names, out_names)
-    if dynamic_batch:
-        _check_batch_is_dynamic(model_proto, inputs)
+    axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
+    model_proto = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
+    check_axes_are_dynamic(model_proto, axes)
     record_report(model_proto, rewrite.apply(model_proto, rewrite.POST_PASSES))
     _strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)

@@ -1,0 +1,120 @@
+"""Every axis a torch.export capture kept symbolic stays symbolic in the ONNX file (issue 13 cause 6).
+
+The model below is the shape pattern of HF encoders: a learned position table sliced to the sequence length
+(``pos[:, :T]``), which a capture at the example shapes would bake in. It is calibrated at ``[2, 16]`` and run in
+onnxruntime at other batches and sequence lengths.
+"""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import coreai_opt as co
+from coreai_opt.onnx.dynamic_axes import input_axes
+
+VOCAB, D, MAX_T = 50, 32, 64
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.pos = nn.Parameter(torch.randn(1, MAX_T, D) * 0.1)
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos[:, : ids.shape[1]]
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+class _BranchesOnLength(_Encoder):
+    def forward(self, ids):
+        h = super().forward(ids)
+        return h * 2 if ids.shape[1] > 8 else h
+
+
+def _ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def converted() -> torch.fx.GraphModule:
+    torch.manual_seed(0)
+    prepared = co.prepare(_Encoder().eval(), co.QuantizerConfig.presets.w8a8(), (_ids(2, 16),), capture="export")
+    co.calibrate(prepared, [(_ids(2, 16, s),) for s in range(4)], progress=False)
+    return co.convert(prepared)
+
+
+@pytest.fixture(scope="module")
+def exported(converted, tmp_path_factory) -> object:
+    return co.export_onnx(converted, (_ids(2, 16),), tmp_path_factory.mktemp("dynamic_axes") / "m.onnx")
+
+
+def _input_shapes(path) -> list[list[object]]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return [i.shape for i in session.get_inputs()]
+
+
+def test_capture_records_batch_and_sequence_as_symbolic(converted):
+    assert converted.meta["coreai_opt"]["dynamic_axes"] == {"ids": {0: "batch", 1: "sequence"}}
+
+
+@pytest.mark.parametrize("batch, length", [(3, 32), (1, 5), (2, 64)])
+def test_file_calibrated_at_2x16_runs_other_batches_and_lengths_within_tolerance(converted, exported, batch, length):
+    path = exported
+    assert _input_shapes(path) == [["batch", "sequence"]]
+    ids = _ids(batch, length, seed=9)
+    report = co.verify_onnx(converted, path, [(ids,)])
+    assert report.ok, report
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"ids": ids.numpy()})
+    assert out.shape == (batch, length, D)
+    eager = converted(ids).detach().numpy()
+    steps = np.abs(out - eager).max() / report.outputs[0].tolerance
+    assert steps <= 1.0
+
+
+def test_dynamic_shapes_override_fixes_or_renames_axes(converted, tmp_path):
+    fixed = co.export_onnx(converted, (_ids(2, 16),), tmp_path / "fixed.onnx", dynamic_shapes={"ids": None})
+    assert _input_shapes(fixed) == [[2, 16]]
+    renamed = co.export_onnx(converted, (_ids(2, 16),), tmp_path / "renamed.onnx",
+                             dynamic_shapes={"ids": {0: "n", -1: "tokens"}})
+    assert _input_shapes(renamed) == [["n", "tokens"]]
+
+
+def test_dynamic_batch_false_keeps_the_sequence_axis(converted, tmp_path):
+    path = co.export_onnx(converted, (_ids(2, 16),), tmp_path / "m.onnx", dynamic_batch=False)
+    assert _input_shapes(path) == [[2, "sequence"]]
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"tokens": None}, r"dynamic_shapes names \['tokens'\], which are not inputs of the graph"),
+    ({"ids": {2: "x"}}, r"names dimension 2, but that input has rank 2"),
+    ({"ids": {1: "my axis"}}, r"an axis name must be a Python identifier"),
+])
+def test_bad_dynamic_shapes_are_refused_with_the_reason(converted, tmp_path, override, message):
+    with pytest.raises(ValueError, match=message):
+        co.export_onnx(converted, (_ids(2, 16),), tmp_path / "m.onnx", dynamic_shapes=override)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_length_the_model_branches_on_is_captured_static_and_the_batch_stays_dynamic(tmp_path):
+    torch.manual_seed(0)
+    model = _BranchesOnLength().eval()
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), (_ids(2, 16),), capture="export")
+    assert prepared.meta["coreai_opt"]["dynamic_axes"] == {"ids": {0: "batch"}}
+    co.calibrate(prepared, [(_ids(2, 16, s),) for s in range(2)], progress=False)
+    converted = co.convert(prepared)
+    path = co.export_onnx(converted, (_ids(2, 16),), tmp_path / "m.onnx")
+    assert _input_shapes(path) == [["batch", 16]]
+    assert co.verify_onnx(converted, path, [(_ids(5, 16, 3),)]).ok
+
+
+def test_fx_captured_models_keep_only_the_batch_axis(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), (torch.randn(2, 4, 8),), capture="fx")
+    assert "dynamic_axes" not in prepared.meta["coreai_opt"]
+    axes = input_axes(prepared, (torch.randn(2, 4, 8),), ["x"], True, None)
+    assert axes == [{0: "batch"}]

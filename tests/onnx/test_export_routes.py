@@ -1,0 +1,90 @@
+"""When torch's dynamo exporter fails to decompose a graph, export_onnx retries with the TorchScript exporter.
+
+The failure is injected with torch's own ``ConversionError`` and the message torch 2.13 gives for the T5 encoder
+(``Cannot view a tensor ...``), so these tests do not depend on which real graphs still hit that exporter bug.
+"""
+
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+from torch.onnx._internal.exporter._errors import ConversionError
+
+import coreai_opt as co
+import coreai_opt.onnx.export as onnx_export
+from coreai_opt.onnx.export_routes import ExportRouteError, failure_site
+
+_T5_FAILURE = (
+    "Failed to decompose the FX graph for ONNX compatibility. This is step 2/3 of exporting the model to ONNX.\n"
+    "## Exception summary\n\n<class 'ValueError'>: Cannot view a tensor with shape torch.Size([2, 16, 4, 16]) and "
+    "strides (1024, 16, 256, 1) as a tensor with shape (2, 16, 64)!\n\n"
+    "While executing %view_4 : [num_users=1] = call_function[target=torch.ops.aten.view.default](args = "
+    "(%transpose_3, [2, 16, -1]), kwargs = {})\nOriginal traceback:\n"
+    'File "/models/t5.py", line 368, in forward\n    attn_output = attn_output.reshape(*input_shape, -1)\n'
+)
+
+
+def _fail_like_torch(*args: object) -> object:
+    """Raise what torch 2.13 raises for the T5 encoder: a ConversionError caused by the ValueError."""
+    cause = ValueError("Cannot view a tensor with shape torch.Size([2, 16, 4, 16]) and strides (1024, 16, 256, 1) "
+                       "as a tensor with shape (2, 16, 64)!")
+    raise ConversionError(_T5_FAILURE) from cause
+
+
+def _converted(config: co.QuantizerConfig) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    prepared = co.prepare(model, config, (x,))
+    co.calibrate(prepared, [torch.randn(4, 16) for _ in range(3)], progress=False)
+    return co.convert(prepared), x
+
+
+def test_failure_site_names_the_op_and_the_model_line():
+    assert failure_site(ConversionError(_T5_FAILURE)) == (
+        "op torch.ops.aten.view.default (from /models/t5.py:368: attn_output = attn_output.reshape(*input_shape, -1))")
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w8a8_sym", "w8"])
+def test_torchscript_route_runs_warns_and_matches_the_dynamo_file(preset, tmp_path, monkeypatch):
+    converted, x = _converted(getattr(co.QuantizerConfig.presets, preset)())
+    dynamo_path = co.export_onnx(converted, (x,), tmp_path / "dynamo.onnx")
+    monkeypatch.setattr(onnx_export, "_dynamo_export", _fail_like_torch)
+    with pytest.warns(UserWarning, match=r"failed decomposing op torch\.ops\.aten\.view\.default \(from "
+                                         r"/models/t5\.py:368.*exported the model with the TorchScript exporter"):
+        ts_path = co.export_onnx(converted, (x,), tmp_path / "torchscript.onnx")
+    report = co.verify_onnx(converted, ts_path, [torch.randn(7, 16)])
+    assert report.ok, report
+    feed = {"input": torch.randn(5, 16).numpy()}
+    outs = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+            for p in (dynamo_path, ts_path)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    kernels = [co.fusion_report(p).num_integer_compute for p in (dynamo_path, ts_path)]
+    assert kernels[1] == kernels[0] >= (2 if preset == "w8a8" else 0)
+
+
+def test_when_every_route_fails_the_error_names_op_line_and_both_routes(tmp_path, monkeypatch):
+    converted, x = _converted(co.QuantizerConfig.presets.w4())
+    monkeypatch.setattr(onnx_export, "_dynamo_export", _fail_like_torch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ExportRouteError, match=r"Route 1, torch\.onnx\.export\(dynamo=True\), failed decomposing "
+                                                   r"op torch\.ops\.aten\.view\.default \(from /models/t5\.py:368.*"
+                                                   r"Cannot view.*Route 2, the TorchScript exporter.*opset") as info:
+            co.export_onnx(converted, (x,), tmp_path / "m.onnx")
+    assert isinstance(info.value, RuntimeError)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_other_exporter_failures_are_not_retried(tmp_path, monkeypatch):
+    converted, x = _converted(co.QuantizerConfig.presets.w8a8())
+
+    def crash(*args: object) -> object:
+        raise ConversionError("Failed to export the model with torch.export. This is step 1/3")
+    monkeypatch.setattr(onnx_export, "_dynamo_export", crash)
+    with pytest.raises(Exception, match="step 1/3") as info:
+        co.export_onnx(converted, (x,), tmp_path / "m.onnx")
+    assert not isinstance(info.value, ExportRouteError)
