@@ -3,8 +3,9 @@
 A fingerprint is the list of ``(quantizer module name, spec dict)`` of the prepared model (derived int32 bias
 quantizers listed with the spec ``"derived"``) and the sha256 of the exported ``model.graph.SerializeToString()``
 (plus, for diagnosis, the prepared graph's code and the sha256 of the converted model's eager output).
-``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with the code before the per-edge
-quantizer ownership (commit b977fa6; spec dicts stored once under ``"specs"`` and named by :func:`spec_key`);
+``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with main's code without the per-edge
+quantizer ownership (main at 5409370, re-recorded there after merging it; first recorded at b977fa6; spec dicts
+stored once under ``"specs"`` and named by :func:`spec_key`);
 ``test_zoo_fingerprints.py`` (slow) checks the current code still builds exactly the same quantizers and writes
 exactly the same ONNX graphs.
 
