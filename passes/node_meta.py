@@ -43,6 +43,7 @@ __all__ = [
     "set_meta",
     "stored_meta",
     "tensor_info",
+    "example_shape",
     "copy_provenance",
     "node_label",
 ]
@@ -201,6 +202,27 @@ def tensor_info(node: Node) -> tuple[tuple[int, ...], torch.dtype] | None:
     if tm is not None and hasattr(tm, "dtype") and hasattr(tm, "shape"):
         return tuple(int(s) if isinstance(s, int) else -1 for s in tm.shape), tm.dtype
     return None
+
+
+def _example_size(size: Any) -> int:
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)  # a backed symbol keeps the example's size
+    return int(hint) if isinstance(hint, int) else -1
+
+
+def example_shape(node: Node) -> tuple[int, ...] | None:
+    """The shape a node's output had for the capture's example inputs, else None (not a single tensor).
+
+    Unlike :func:`tensor_info`, a symbolic size (a dynamic batch or sequence axis of a torch.export capture) is
+    reported as the example's size, e.g. to count the MACs of one calibration sample; -1 only when torch kept no
+    example value.
+    """
+    val: Any = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(_example_size(s) for s in val.shape)
+    info = tensor_info(node)
+    return None if info is None else info[0]
 
 
 def copy_provenance(src: Node, dst: Node) -> None:

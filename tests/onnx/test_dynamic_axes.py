@@ -13,6 +13,7 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.onnx.dynamic_axes import input_axes
+from coreai_opt.passes.graph_meta import get_graph_meta
 
 VOCAB, D, MAX_T = 50, 32, 64
 
@@ -115,6 +116,6 @@ def test_a_length_the_model_branches_on_is_captured_static_and_the_batch_stays_d
 def test_fx_captured_models_keep_only_the_batch_axis(tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
     prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), (torch.randn(2, 4, 8),), capture="fx")
-    assert "dynamic_axes" not in prepared.meta["coreai_opt"]
+    assert get_graph_meta(prepared).dynamic_axes is None
     axes = input_axes(prepared, (torch.randn(2, 4, 8),), ["x"], True, None)
     assert axes == [{0: "batch"}]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from coreai_opt.passes.node_meta import get_meta, tensor_info
+from coreai_opt.passes.node_meta import example_shape, get_meta
 from coreai_opt.passes.op_kinds import OpKind
 
 __all__ = ["Layer", "Unit", "find_units", "layer_quantizers"]
@@ -78,10 +78,10 @@ def _weight_shape(gm: fx.GraphModule, node: object) -> tuple[int, ...] | None:
 
 
 def _macs(gm: fx.GraphModule, node: fx.Node, kind: str) -> int:
-    info, weight = tensor_info(node), _weight_shape(gm, node.args[1] if len(node.args) > 1 else None)
-    if info is None or weight is None:
+    shape, weight = example_shape(node), _weight_shape(gm, node.args[1] if len(node.args) > 1 else None)
+    if shape is None or weight is None:
         return 0
-    out = math.prod(max(1, d) for d in info[0][1:])  # per sample: the first dimension is the batch
+    out = math.prod(max(1, d) for d in shape[1:])  # per sample at the example's sizes: dim 0 is the batch
     return out * (weight[1] if kind == "linear" else math.prod(weight[1:]))
 
 
