@@ -6,6 +6,7 @@ The recipe (each step a pass from :mod:`coreai_opt.passes`)::
     functionalize_weights → fold_batchnorm → fold_attention_scale → annotate → insert_quantizers →
     check_activation_axes
             [→ dynamic_linear_inputs, when the config uses dynamic activation quantizers]
+    → int8_compute_inputs (weight-only linears with ``matmul_compute="int8"``) → insert_weight_statistics
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
 off and fake quantization on (``calibrate`` turns observers on for its duration); a QAT model
@@ -39,6 +40,7 @@ from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
+from coreai_opt.passes.int8_compute_inputs import int8_compute_inputs
 from coreai_opt.passes.node_meta import META_KEY, get_meta
 
 __all__ = ["prepare"]
@@ -141,6 +143,7 @@ def prepare(
     check_activation_axes(gm, example_inputs, kwargs)
     if any(getattr(fq, "exports_dynamic", False) for _, fq in fake_quantizers(gm)):
         gm = dynamic_linear_inputs(gm).graph_module  # dynamic quantizers only feed linear layers
+    gm = int8_compute_inputs(gm).graph_module  # matmul_compute="int8": eager emulates MatMulNBits' int8 input
     gm = insert_weight_statistics(gm).graph_module  # data-aware weight rounding observes the linears' inputs
     warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),
                            stacklevel=_USER_STACKLEVEL)

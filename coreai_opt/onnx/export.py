@@ -39,11 +39,15 @@ from coreai_opt.onnx.guard_4bit_activations import guard_4bit_activations
 from coreai_opt.onnx.guard_float8_activations import guard_float8_activations
 from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.linears_to_gemm import linears_to_gemm
+from coreai_opt.onnx.matmul_nbits import write_matmul_nbits
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.onnx.transpose_weights import transpose_dequantized_weights
+from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
+from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation, int8_compute_translation_table
+from coreai_opt.quantization.spec.matmul_compute import get_matmul_compute
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize_translation_table
 
 __all__ = ["export_onnx", "BATCH_DIM_NAME"]
@@ -161,6 +165,7 @@ def _dynamo_export(
         custom_translation_table={
             **quantize_dequantize_translation_table(opset),
             **dynamic_quantize_dequantize_translation_table(opset),
+            **int8_compute_translation_table(),
         },
         dynamic_shapes=_dynamic_shapes(inputs, dynamic_batch),
         input_names=input_names,
@@ -181,6 +186,28 @@ def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None
         )
 
 
+def _check_matmul_compute(model: nn.Module, requested: str | None) -> None:
+    """Refuse ``matmul_compute=requested`` when the model was quantized for another compute (names the layers)."""
+    if requested is None:
+        return
+    get_matmul_compute(requested)  # unknown name: ValueError listing the choices
+    emulating = [m.name for m in model.modules() if isinstance(m, Int8ComputeActivation)]
+    if requested == "float":
+        other = emulating
+    else:
+        weights = {str(n.target) for n in getattr(getattr(model, "graph", None), "nodes", ())
+                   if (info := get_meta(n).quantizer) is not None and info.role is Role.WEIGHT}
+        other = [model.get_submodule(t).name for t in sorted(weights)
+                 if model.get_submodule(t).spec.matmul_compute != requested]
+        other = other or ([] if emulating else ["(no linear emulates int8 compute)"])
+    if other:
+        raise ValueError(
+            f"export_onnx(matmul_compute={requested!r}) but the model was quantized for another compute at "
+            f"{', '.join(other[:5])}{' ...' if len(other) > 5 else ''}: eager and onnxruntime would differ there. "
+            f"Prepare with the weight spec's matmul_compute={requested!r} (e.g. "
+            f"QuantizerConfig.presets.w8(compute={requested!r})), or export without matmul_compute")
+
+
 @public_api
 def export_onnx(
     model: nn.Module,
@@ -191,6 +218,7 @@ def export_onnx(
     dynamic_batch: bool = True,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
+    matmul_compute: str | None = None,
 ) -> Path:
     """Export a converted model to an ONNX QDQ file that onnxruntime runs.
 
@@ -220,6 +248,13 @@ def export_onnx(
         dynamic_batch: Make dimension 0 of every input (and the outputs depending on it) symbolic (``"batch"``).
         input_names: Graph input names; default: the model's argument names.
         output_names: Graph output names; default ``"output"`` (one output) or ``"output_0"``, ``"output_1"``, ...
+        matmul_compute: How weight-only linears run in onnxruntime. They are always written as ``MatMulNBits``
+            (4- / 8-bit weights, blocks of a power of two >= 16) with the accuracy level their weight spec's
+            ``matmul_compute`` names: ``"float"`` (``accuracy_level=1``, exact float compute, the default of every
+            preset) or ``"int8"`` (``accuracy_level=4``, int8 activations; the eager model emulates them). The
+            choice is made at ``prepare`` (``QuantizerConfig.presets.w8(compute="int8")``) because the eager model
+            must emulate it; passing it here only checks that the model was quantized that way and raises
+            ``ValueError`` naming the layers otherwise. None: no check.
 
     Returns:
         The path written, as a :class:`~pathlib.Path`.
@@ -232,6 +267,7 @@ def export_onnx(
     """
     path = check_output_path(path)
     quantizers = converted_quantizers(model)
+    _check_matmul_compute(model, matmul_compute)
     inputs = _as_input_tuple(example_inputs)
     check_export_inputs(model, inputs)
     _refuse_bfloat16(model, inputs)
@@ -248,6 +284,7 @@ def export_onnx(
     fold_quantized_weights(model_proto)
     fuse_dynamic_matmuls(model_proto)
     transpose_dequantized_weights(model_proto)
+    write_matmul_nbits(model_proto)
     gather_quantized_rows(model_proto)
     if linears_to_gemm(model_proto):
         collapse_reshapes(model_proto)
