@@ -5,7 +5,8 @@ Recipe: check the model is converted -> pick the opset from its quantizers (:mod
 weights quantized (:mod:`coreai_opt.onnx.fold_quantized_weights`) -> turn dynamic activation quantizers in front of
 int8 weights into MatMulInteger (:mod:`coreai_opt.onnx.dynamic_matmul`) -> store transposed weights transposed
 (:mod:`coreai_opt.onnx.transpose_weights`) -> write weight-only linears as ``MatMulNBits`` with the accuracy level
-their weight spec's ``matmul_compute`` names (:mod:`coreai_opt.onnx.matmul_nbits`) -> gather embedding rows before dequantizing them
+their weight spec's ``matmul_compute`` names (:mod:`coreai_opt.onnx.matmul_nbits`) -> gather embedding rows before
+dequantizing them
 (:mod:`coreai_opt.onnx.gather_quantized_rows`) -> run quantized linears on rank > 2 inputs as ``Gemm`` so onnxruntime
 builds ``QGemm`` (:mod:`coreai_opt.onnx.linears_to_gemm`), dropping the reshapes that cancel
 (:mod:`coreai_opt.onnx.collapse_reshapes`) -> write quantized spatial means as ``GlobalAveragePool``
@@ -226,7 +227,8 @@ def export_onnx(
     Every quantizer becomes ``QuantizeLinear -> DequantizeLinear``; quantizers on constant weights and int32
     biases are folded so the file stores integer (or float8) initializers followed by ``DequantizeLinear``;
     weights the graph transposes are stored transposed; weight-only linears are written as ``MatMulNBits``
-    (``accuracy_level=1``, float compute, or 4 for ``matmul_compute="int8"``, see ``matmul_compute`` below); 8-bit linears on rank > 2 inputs (a transformer's ``[batch, seq, K]``)
+    (``accuracy_level=1``, float compute, or 4 for ``matmul_compute="int8"``, see ``matmul_compute`` below); 8-bit
+    linears on rank > 2 inputs (a transformer's ``[batch, seq, K]``)
     are written as ``Reshape -> Gemm -> Reshape`` so onnxruntime runs them as ``QGemm`` with the int32 bias, the
     same arithmetic as ``MatMul + Add``. Of the exporter's per-node debug metadata only ``namespace`` (the
     module path) is kept: stack traces with absolute source paths would tie the bytes to the machine.
