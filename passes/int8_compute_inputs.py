@@ -49,7 +49,7 @@ def _input_is_8_bit(gm: GraphModule, x: Node) -> bool:
     if fq is None:
         return False
     dtype = fq.spec.dtype_info
-    return bool(getattr(fq, "exports_dynamic", False)) or (not dtype.is_float and dtype.bits == 8)
+    return fq.exports_dynamic or (not dtype.is_float and dtype.bits == 8)
 
 
 def _block_size(gm: GraphModule, linear: Node, weight_call: Node, fq: object, layout: ArgLayout) -> int:

@@ -9,7 +9,7 @@ post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per
 2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> MatMulInteger (DynamicQuantizeMatMul);
 3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul);
 4. ``write_matmul_nbits``: weight-only linears as ``MatMulNBits`` with the accuracy level their weight spec's
-    ``matmul_compute`` names (:mod:`coreai_opt.onnx.rewrite.matmul_nbits`);
+    ``matmul_compute`` names (:mod:`coreai_opt.onnx.rewrite.write_matmul_nbits`);
 5. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
 6. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
 7. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
@@ -45,8 +45,8 @@ from coreai_opt.onnx.export_routes import export_with_fallback, torchscript_expo
 from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
-from coreai_opt.onnx.rewrite.matmul_nbits import finish_matmul_nbits
 from coreai_opt.onnx.rewrite.report import record_report
+from coreai_opt.onnx.rewrite.write_matmul_nbits import finish_matmul_nbits
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.passes.graph_meta import get_graph_meta
 from coreai_opt.passes.node_meta import Role, get_meta

@@ -23,7 +23,7 @@ from tests.zoo import ZOO, build, preset_config
 
 # The weight-only 3-D linears of transformer_encoder / shape_unpack under w8 / w8a16 used to be fused by onnxruntime
 # into MatMulNBits at accuracy_level=4 (int8 activations); the export now writes MatMulNBits itself with
-# accuracy_level=1 (coreai_opt/onnx/rewrite/matmul_nbits.py), so those cells pass.
+# accuracy_level=1 (coreai_opt/onnx/rewrite/write_matmul_nbits.py), so those cells pass.
 CELLS = [(name, preset) for name in ZOO for preset in QuantizerConfig.presets.names()]
 
 

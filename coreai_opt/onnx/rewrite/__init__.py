@@ -44,11 +44,11 @@ from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivations
 from coreai_opt.onnx.rewrite.guard_float8_activations import GuardFloat8Activations
 from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
-from coreai_opt.onnx.rewrite.matmul_nbits import WriteMatMulNBits
 from coreai_opt.onnx.rewrite.means_to_global_average_pool import MeansToGlobalAveragePool
 from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
 from coreai_opt.onnx.rewrite.report import RewriteReport, read_report, record_report
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, run_rules
+from coreai_opt.onnx.rewrite.write_matmul_nbits import WriteMatMulNBits
 
 __all__ = ["POST_PASSES", "apply", "Rule", "Match", "Fail", "OnnxGraph", "RewriteReport", "read_report",
            "record_report"]
