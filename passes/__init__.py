@@ -26,6 +26,7 @@ from coreai_opt.passes.functionalize_inplace import functionalize_inplace
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
+from coreai_opt.passes.int8_compute_inputs import int8_compute_inputs
 from coreai_opt.passes.node_meta import META_KEY, NodeMeta, QuantizerInfo, Role, get_meta
 from coreai_opt.passes.op_kinds import OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
@@ -53,6 +54,7 @@ __all__ = [
     "get_meta",
     "insert_quantizers",
     "insert_weight_statistics",
+    "int8_compute_inputs",
     "lookup_op",
     "remove_dead_nodes",
 ]

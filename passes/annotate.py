@@ -25,7 +25,7 @@ requested only on the input edges of linear layers, ``edge_only``: nothing else 
 through value-moving ops only (attention's ``transpose → reshape → out_proj``) gets it on its own input
 edge, which is exact because per-tensor dynamic quantization commutes with moving values (same values, same
 min/max, same qparams); the exported ``DequantizeLinear`` then feeds the ``MatMul`` directly, the pattern
-:func:`coreai_opt.onnx.dynamic_matmul.fuse_dynamic_matmuls` rewrites. Other ops keep float activations.
+the ONNX rule ``dynamic_matmuls_to_integer`` rewrites. Other ops keep float activations.
 
 Weight granularity axes in a config are written for the canonical ``[out, in, *kernel]`` layout
 (per-channel axis 0 = output channels, per-block axis 1 = input channels). This pass maps them to the op's

@@ -91,18 +91,19 @@ class PresetInfo(NamedTuple):
     activation: str
 
 
-def _per_channel_weight(dtype: str) -> QuantizationSpec:
+def _per_channel_weight(dtype: str, compute: str = "float") -> QuantizationSpec:
     return QuantizationSpec(
         dtype=dtype,
         qscheme=QuantizationScheme.SYMMETRIC,
         granularity=PerChannel(axis=0),
         range_calculator="minmax",
         qparams_calculator="static",
+        matmul_compute=compute,
     )
 
 
 def _per_block_weight(
-    dtype: str, block_size: int, algorithm: str | None = None, qscheme: str = "symmetric"
+    dtype: str, block_size: int, algorithm: str | None = None, qscheme: str = "symmetric", compute: str = "float"
 ) -> QuantizationSpec:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"block_size must be a positive int (e.g. 32), got {block_size!r}")
@@ -115,6 +116,7 @@ def _per_block_weight(
         range_calculator="minmax",
         qparams_calculator="static",
         weight_rounding=algorithm,
+        matmul_compute=compute,
     )
 
 
@@ -150,13 +152,20 @@ def _activation(
 
 
 @public_api
-def w8() -> QuantizerConfig:
-    """Int8 symmetric per-channel (axis 0) weights, minmax range, static qparams; activations float."""
-    return QuantizerConfig(weight=_per_channel_weight("int8"), activation=None)
+def w8(compute: str = "float") -> QuantizerConfig:
+    """Int8 symmetric per-channel (axis 0) weights, minmax range, static qparams; activations float.
+
+    Args:
+        compute: How the linears run in onnxruntime (``MatMulNBits``): ``"float"`` (exact float compute, eager-equal)
+            or ``"int8"`` (int8 activations per row and K block: faster; the eager model emulates it). See
+            :mod:`coreai_opt.quantization.spec.matmul_compute`.
+    """
+    return QuantizerConfig(weight=_per_channel_weight("int8", compute), activation=None)
 
 
 @public_api
-def w4(block_size: int = 32, algorithm: str | None = W4_ALGORITHM, qscheme: str = W4_QSCHEME) -> QuantizerConfig:
+def w4(block_size: int = 32, algorithm: str | None = W4_ALGORITHM, qscheme: str = W4_QSCHEME,
+       compute: str = "float") -> QuantizerConfig:
     """Int4 per-block weights (axis 1, ``block_size``) rounded by ``algorithm``, activations float.
 
     Args:
@@ -165,9 +174,10 @@ def w4(block_size: int = 32, algorithm: str | None = W4_ALGORITHM, qscheme: str 
         algorithm: A ``weight_rounding`` key (``"rtn"``, ``"mse"``, ``"hqq"``, ``"gptq"`` or a registered one)
             or None for the plain min/max quantizer. ``"gptq"`` needs ``calibrate`` before ``convert``.
         qscheme: ``"symmetric"`` or ``"asymmetric"`` (integer zero point per block).
+        compute: ``"float"`` or ``"int8"``, as for :func:`w8` (``"int8"`` needs a block size of 16 to 256).
     """
     return QuantizerConfig(
-        weight=_per_block_weight("int4", block_size, algorithm, qscheme), activation=None, int32_bias=False,
+        weight=_per_block_weight("int4", block_size, algorithm, qscheme, compute), activation=None, int32_bias=False,
         per_block_fallback="per_channel",
     )
 
@@ -226,15 +236,18 @@ def w4a8(
 
 
 @public_api
-def w8a16(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
+def w8a16(activation_range: str = "minmax", percentile: float | None = None,
+          compute: str = "float") -> QuantizerConfig:
     """Int8 per-channel weights + uint16 asymmetric per-tensor activations (accuracy preset; opset 21).
 
     Args:
         activation_range: One of :data:`ACTIVATION_RANGES`.
         percentile: Percentile for ``activation_range="percentile"``.
+        compute: ``"float"`` or ``"int8"``, as for :func:`w8`: the linears (16-bit input, 8-bit weight) run as
+            ``MatMulNBits``.
     """
     return QuantizerConfig(
-        weight=_per_channel_weight("int8"),
+        weight=_per_channel_weight("int8", compute),
         activation=_activation("uint16", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
     )
 
@@ -313,7 +326,8 @@ def summarize_spec(spec: QuantizationSpec | None) -> str:
         return "float"
     qscheme = QuantizationScheme(spec.qscheme).value
     text = f"{spec.dtype} {qscheme} {_granularity_summary(spec)}, {spec.range_calculator}/{spec.qparams_calculator}"
-    return f"{text}, {spec.weight_rounding} rounding" if spec.weight_rounding else text
+    text = f"{text}, {spec.weight_rounding} rounding" if spec.weight_rounding else text
+    return f"{text}, {spec.matmul_compute} compute" if spec.matmul_compute != "float" else text
 
 
 @public_api

@@ -7,16 +7,18 @@ post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per
 
 1. ``fold_quantized_weights``: store constant weights and int32 biases quantized (initializer -> DequantizeLinear);
 2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> MatMulInteger (DynamicQuantizeMatMul);
-3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul, e.g. MatMulNBits);
-4. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
-5. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
-6. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
-7. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
-8. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
-9. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
-10. ``drop_zero_biases``: drop all-zero conv / gemm biases;
-11. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
-12. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
+3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul);
+4. ``write_matmul_nbits``: weight-only linears as ``MatMulNBits`` with the accuracy level their weight spec's
+    ``matmul_compute`` names (:mod:`coreai_opt.onnx.rewrite.write_matmul_nbits`);
+5. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
+6. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
+7. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
+8. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
+9. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
+10. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
+11. ``drop_zero_biases``: drop all-zero conv / gemm biases;
+12. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
+13. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
     kernels it has no 4-bit form of;
 
 -> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
@@ -44,9 +46,13 @@ from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
 from coreai_opt.onnx.rewrite.report import record_report
+from coreai_opt.onnx.rewrite.write_matmul_nbits import finish_matmul_nbits
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.passes.graph_meta import get_graph_meta
+from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
+from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation, int8_compute_translation_table
+from coreai_opt.quantization.spec.matmul_compute import get_matmul_compute
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize_translation_table
 
 __all__ = ["export_onnx", "BATCH_DIM_NAME"]
@@ -146,6 +152,7 @@ def _dynamo_export(
         custom_translation_table={
             **quantize_dequantize_translation_table(opset),
             **dynamic_quantize_dequantize_translation_table(opset),
+            **int8_compute_translation_table(),
         },
         dynamic_shapes=torch_dynamic_shapes(axes),
         input_names=input_names,
@@ -166,6 +173,28 @@ def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None
         )
 
 
+def _check_matmul_compute(model: nn.Module, requested: str | None) -> None:
+    """Refuse ``matmul_compute=requested`` when the model was quantized for another compute (names the layers)."""
+    if requested is None:
+        return
+    get_matmul_compute(requested)  # unknown name: ValueError listing the choices
+    emulating = [m.name for m in model.modules() if isinstance(m, Int8ComputeActivation)]
+    if requested == "float":
+        other = emulating
+    else:
+        weights = {str(n.target) for n in getattr(getattr(model, "graph", None), "nodes", ())
+                   if (info := get_meta(n).quantizer) is not None and info.role is Role.WEIGHT}
+        other = [model.get_submodule(t).name for t in sorted(weights)
+                 if model.get_submodule(t).spec.matmul_compute != requested]
+        other = other or ([] if emulating else ["(no linear emulates int8 compute)"])
+    if other:
+        raise ValueError(
+            f"export_onnx(matmul_compute={requested!r}) but the model was quantized for another compute at "
+            f"{', '.join(other[:5])}{' ...' if len(other) > 5 else ''}: eager and onnxruntime would differ there. "
+            f"Prepare with the weight spec's matmul_compute={requested!r} (e.g. "
+            f"QuantizerConfig.presets.w8(compute={requested!r})), or export without matmul_compute")
+
+
 @public_api
 def export_onnx(
     model: nn.Module,
@@ -177,13 +206,15 @@ def export_onnx(
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
     dynamic_shapes: DynamicShapes | None = None,
+    matmul_compute: str | None = None,
 ) -> Path:
     """Export a converted model to an ONNX QDQ file that onnxruntime runs.
 
     Every quantizer becomes ``QuantizeLinear -> DequantizeLinear``; quantizers on constant weights and int32
     biases are folded so the file stores integer (or float8) initializers followed by ``DequantizeLinear``;
-    weights the graph transposes are stored transposed (``DequantizeLinear -> MatMul``, which onnxruntime fuses,
-    e.g. blocked int4 -> ``MatMulNBits``); 8-bit linears on rank > 2 inputs (a transformer's ``[batch, seq, K]``)
+    weights the graph transposes are stored transposed; weight-only linears are written as ``MatMulNBits``
+    (``accuracy_level=1``, float compute, or 4 for ``matmul_compute="int8"``, see ``matmul_compute`` below); 8-bit
+    linears on rank > 2 inputs (a transformer's ``[batch, seq, K]``)
     are written as ``Reshape -> Gemm -> Reshape`` so onnxruntime runs them as ``QGemm`` with the int32 bias, the
     same arithmetic as ``MatMul + Add``. Of the exporter's per-node debug metadata only ``namespace`` (the
     module path) is kept: stack traces with absolute source paths would tie the bytes to the machine. What the
@@ -213,6 +244,13 @@ def export_onnx(
         output_names: Graph output names; default ``"output"`` (one output) or ``"output_0"``, ``"output_1"``, ...
         dynamic_shapes: Per graph input name, ``{dimension: axis name}`` to make symbolic, or None for a fixed
             shape; replaces the default for the inputs it names (see :mod:`coreai_opt.onnx.dynamic_axes`).
+        matmul_compute: How weight-only linears run in onnxruntime. They are always written as ``MatMulNBits``
+            (4- / 8-bit weights, blocks of a power of two >= 16) with the accuracy level their weight spec's
+            ``matmul_compute`` names: ``"float"`` (``accuracy_level=1``, exact float compute, the default of every
+            preset) or ``"int8"`` (``accuracy_level=4``, int8 activations; the eager model emulates them). The
+            choice is made at ``prepare`` (``QuantizerConfig.presets.w8(compute="int8")``) because the eager model
+            must emulate it; passing it here only checks that the model was quantized that way and raises
+            ``ValueError`` naming the layers otherwise. None: no check.
 
     Returns:
         The path written, as a :class:`~pathlib.Path`.
@@ -225,6 +263,7 @@ def export_onnx(
     """
     path = check_output_path(path)
     quantizers = converted_quantizers(model)
+    _check_matmul_compute(model, matmul_compute)
     inputs = _as_input_tuple(example_inputs)
     check_export_inputs(model, inputs)
     _refuse_bfloat16(model, inputs)
@@ -238,7 +277,9 @@ def export_onnx(
     axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
     model_proto = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
     check_axes_are_dynamic(model_proto, axes)
-    record_report(model_proto, rewrite.apply(model_proto, rewrite.POST_PASSES))
+    report = rewrite.apply(model_proto, rewrite.POST_PASSES)
+    finish_matmul_nbits(model_proto, report)
+    record_report(model_proto, report)
     _strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)
     return path

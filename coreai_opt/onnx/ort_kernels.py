@@ -29,6 +29,8 @@ from enum import Enum
 
 import onnx
 
+from coreai_opt.onnx.matmul_nbits_weight import INT8_EMULATED_SUFFIX
+
 __all__ = ["Status", "KernelNumerics", "KERNELS", "kernel_numerics"]
 
 
@@ -123,6 +125,10 @@ KERNELS: dict[tuple[str, str], KernelNumerics] = {
 }
 
 _MATMULNBITS_INT8_ENTRY = KernelNumerics("MatMulNBits", "com.microsoft", Status.DIVERGES, False, 1, _MATMULNBITS_INT8)
+_MATMULNBITS_INT8_EMULATED = KernelNumerics(
+    "MatMulNBits", "com.microsoft", Status.EMULATED, False, 1,
+    "accuracy_level=4 written by the export for matmul_compute='int8': the eager model applies the same int8 "
+    "activation quantization (Int8ComputeActivation); integer products, float accumulation order differs")
 #: onnxruntime's ``accuracy_level`` that selects int8 compute (``SQNBIT_CompInt8``).
 INT8_COMPUTE_ACCURACY_LEVEL = 4
 
@@ -135,11 +141,14 @@ def kernel_numerics(node: onnx.NodeProto) -> KernelNumerics | None:
     """The table entry for ``node`` (None when its op type is unknown).
 
     ``MatMulNBits`` with ``accuracy_level=4`` (onnxruntime's default when it fuses ``DequantizeLinear → MatMul``)
-    is ``diverges``; with a lower accuracy level it computes in float (``pinned``).
+    is ``diverges``, unless the export wrote it for an int8-compute linear (name ending in
+    ``INT8_EMULATED_SUFFIX``: the eager model emulates its activation quantization), which is ``emulated``; with a
+    lower accuracy level it computes in float (``pinned``).
     """
     entry = KERNELS.get((_domain(node), node.op_type))
     if entry is not None and node.op_type == "MatMulNBits" and entry.domain == "com.microsoft":
         level = next((int(a.i) for a in node.attribute if a.name == "accuracy_level"), 0)
         if level >= INT8_COMPUTE_ACCURACY_LEVEL:
-            return _MATMULNBITS_INT8_ENTRY
+            emulated = level == INT8_COMPUTE_ACCURACY_LEVEL and node.name.endswith(INT8_EMULATED_SUFFIX)
+            return _MATMULNBITS_INT8_EMULATED if emulated else _MATMULNBITS_INT8_ENTRY
     return entry

@@ -22,7 +22,12 @@ Per output (:class:`OutputTolerance`):
 * float output computed from activation quantizers through exact or averaging ops: ``k + 1`` steps of the
   coarsest quantizer feeding it;
 * float output behind other float ops after activation quantizers (their gain is not derived here): the legacy
-  :data:`UNDERIVED_RELATIVE` of the output range, and the reason says so.
+  :data:`UNDERIVED_RELATIVE` of the output range, and the reason says so;
+* any output behind an int8-compute ``MatMulNBits`` (``matmul_compute="int8"``; the eager model emulates its
+  activation quantization): rule ``"int8 compute"``, :data:`INT8_COMPUTE_RELATIVE` of the output range. The kernel
+  re-quantizes its input per row and K block at run time (step ``amax / 127``), so a float-ulp difference upstream
+  (LayerNorm, GELU, accumulation order) can move one activation by a whole int8 step there; how far such a flip
+  travels is not derived.
 
 Every :class:`OutputTolerance` names the kernels responsible, including any ``diverges`` kernel on the path.
 """
@@ -36,15 +41,19 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from coreai_opt.onnx.matmul_nbits_weight import INT8_EMULATED_SUFFIX
 from coreai_opt.onnx.ort_kernels import KernelNumerics, Status, kernel_numerics
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 
-__all__ = ["PathBound", "OutputTolerance", "derive_tolerances", "FLOAT_PRECISION", "UNDERIVED_RELATIVE"]
+__all__ = ["PathBound", "OutputTolerance", "derive_tolerances", "FLOAT_PRECISION", "UNDERIVED_RELATIVE",
+           "INT8_COMPUTE_RELATIVE"]
 
 #: Float outputs without activation quantizers (weight-only models) may differ by this fraction of their range.
 FLOAT_PRECISION = 1e-4
 #: Float outputs behind float layers whose gain is not derived: fraction of the output range (the old rule).
 UNDERIVED_RELATIVE = 0.02
+#: Outputs behind an int8-compute MatMulNBits (dynamic int8 activation steps): fraction of the output range.
+INT8_COMPUTE_RELATIVE = 0.02
 
 # Averaging ops: the mean of values that differ by at most d differs by at most d (gain 1).
 _AVERAGING = frozenset({"ReduceMean", "GlobalAveragePool", "AveragePool"})
@@ -82,9 +91,10 @@ class OutputTolerance:
     Attributes:
         name: ONNX output name.
         rule: ``"exact"``, ``"steps"`` (quantized output, ``steps`` of its own step), ``"float"`` (relative to the
-            range), ``"quantizer steps"`` (float output, ``steps`` of ``source_step``) or ``"underived"``.
+            range), ``"quantizer steps"`` (float output, ``steps`` of ``source_step``), ``"underived"`` or
+            ``"int8 compute"``.
         steps: Allowed steps (``"steps"`` / ``"quantizer steps"`` rules), else None.
-        relative: Allowed fraction of the output range (``"float"`` / ``"underived"``), else None.
+        relative: Allowed fraction of the output range (``"float"`` / ``"underived"`` / ``"int8 compute"``), else None.
         source_step: The quantizer step ``steps`` counts (``"quantizer steps"`` rule), else None.
         reason: One line: which kernels make the difference and why.
         bound: The bound of the output tensor.
@@ -173,6 +183,13 @@ def _reason(bound: PathBound, detail: str) -> str:
 
 
 def _output_tolerance(name: str, bound: PathBound, quantized_output: bool) -> OutputTolerance:
+    int8_compute = sorted(node for op, node in bound.kernels
+                          if op == "MatMulNBits" and node.endswith(INT8_EMULATED_SUFFIX))
+    if int8_compute:
+        return OutputTolerance(name, "int8 compute", None, INT8_COMPUTE_RELATIVE, None, _reason(bound, (
+            f"behind {len(int8_compute)} int8-compute MatMulNBits (matmul_compute='int8', emulated in eager): each "
+            "re-quantizes its input at run time, where a float-ulp difference upstream can flip one int8 step; "
+            f"{INT8_COMPUTE_RELATIVE:g} of range (not derived)")), bound)
     if quantized_output:
         if bound.steps == 0:
             return OutputTolerance(name, "exact", 0, None, None, _reason(

@@ -74,7 +74,7 @@ class OutputComparison:
             the output tolerance (near ties), else 0.
         ok: Within the derived tolerance (and no decisive argmax flip).
         rule: The tolerance rule that applied (``"exact"``, ``"steps"``, ``"float"``, ``"quantizer steps"``,
-            ``"underived"``; see :mod:`coreai_opt.onnx.tolerance`).
+            ``"underived"``, ``"int8 compute"``; see :mod:`coreai_opt.onnx.tolerance`).
         tolerance_steps: Allowed difference in steps (step rules), else None.
         tolerance: Allowed absolute difference (for per-element steps: at the coarsest step).
         reason: One line: why this tolerance (which kernels differ and how).

@@ -98,6 +98,14 @@ def test_convert_refuses_gptq_that_never_saw_calibration_data() -> None:
     co.convert(co.prepare(_model(), _config("hqq"), (_data()[0],)))  # data-free: fine without calibration
 
 
+def _unpacked_int4(node: onnx.NodeProto, proto: onnx.ModelProto) -> np.ndarray:
+    """The signed int4 ``[N, K]`` weight of a MatMulNBits node (low nibble first, stored + 8)."""
+    attrs = {a.name: a.i for a in node.attribute}
+    packed = next(numpy_helper.to_array(t) for t in proto.graph.initializer if t.name == node.input[1])
+    values = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(attrs["N"], -1)[:, : attrs["K"]]
+    return values.astype(np.int16) - 8
+
+
 @pytest.mark.parametrize("rounding", ["gptq", "hqq"])
 def test_exported_int4_weights_are_the_eager_integers_and_onnxruntime_matches_eager(rounding: str, tmp_path) -> None:
     model, data = _model(), _data()
@@ -109,6 +117,7 @@ def test_exported_int4_weights_are_the_eager_integers_and_onnxruntime_matches_ea
     dq_inputs = {n.input[0] for n in proto.graph.node if n.op_type == "DequantizeLinear"}
     int4 = [numpy_helper.to_array(t) for t in proto.graph.initializer
             if t.data_type == onnx.TensorProto.INT4 and t.name in dq_inputs]
+    int4 += [_unpacked_int4(n, proto) for n in proto.graph.node if n.op_type == "MatMulNBits"]  # 3-D linears
     eager = {tuple(fq.rounding.qweight.shape): fq.rounding.qweight.numpy()
              for _, fq in co.api._state.fake_quantizers(converted)}
     assert len(int4) == 3

@@ -21,17 +21,10 @@ from coreai_opt.onnx.fusion_report import optimized_model
 from coreai_opt.onnx.ort_kernels import Status, kernel_numerics
 from tests.zoo import ZOO, build, preset_config
 
-# MatMulNBits at accuracy_level=4 (int8 activations): onnxruntime fuses DequantizeLinear -> MatMul of these
-# weight-only 3-D linears. Expected to fail until the export writes MatMulNBits itself with an explicit accuracy level.
-_MATMULNBITS = ("onnxruntime runs MatMulNBits at accuracy_level=4 (int8 activations); pending the MatMulNBits "
-                "export rule")
-XFAIL = {("transformer_encoder", "w8"), ("transformer_encoder", "w8a16"), ("shape_unpack", "w8"),
-         ("shape_unpack", "w8a16")}
-CELLS = [
-    pytest.param(name, preset, marks=pytest.mark.xfail(strict=True, reason=_MATMULNBITS)) if (name, preset) in XFAIL
-    else (name, preset)
-    for name in ZOO for preset in QuantizerConfig.presets.names()
-]
+# The weight-only 3-D linears of transformer_encoder / shape_unpack under w8 / w8a16 used to be fused by onnxruntime
+# into MatMulNBits at accuracy_level=4 (int8 activations); the export now writes MatMulNBits itself with
+# accuracy_level=1 (coreai_opt/onnx/rewrite/write_matmul_nbits.py), so those cells pass.
+CELLS = [(name, preset) for name in ZOO for preset in QuantizerConfig.presets.names()]
 
 
 def _export(name: str, preset: str, directory: Path) -> Path:

@@ -8,15 +8,17 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 1. ``fold_quantized_weights``: constant weight / bias chains -> quantized initializer -> ``DequantizeLinear``.
 2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> ``MatMulInteger`` (``DynamicQuantizeMatMul``).
 3. ``fold_weight_transposes``: ``DQ(W) -> Transpose`` -> ``DQ(Wᵀ)`` (``DQ -> MatMul``, e.g. ``MatMulNBits``).
-4. ``gather_quantized_rows``: ``DQ(table) -> Gather`` -> ``Gather -> DQ`` (dequantize only the rows read).
-5. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
-6. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
-7. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
-8. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
-9. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
-10. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-11. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-12. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+4. ``write_matmul_nbits``: weight-only ``MatMul`` (and int8-marked ``Gemm``) -> ``MatMulNBits`` with the accuracy
+   level the weight spec's ``matmul_compute`` names (1: float, eager-equal; 4: int8, emulated in eager).
+5. ``gather_quantized_rows``: ``DQ(table) -> Gather`` -> ``Gather -> DQ`` (dequantize only the rows read).
+6. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
+7. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
+8. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
+9. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
+10. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
+11. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+12. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+13. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
 unchanged exported model already changes its bytes (measured on a 3-linear model: it drops the ``value_info`` of 10
@@ -46,6 +48,7 @@ from coreai_opt.onnx.rewrite.means_to_global_average_pool import MeansToGlobalAv
 from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
 from coreai_opt.onnx.rewrite.report import RewriteReport, read_report, record_report
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, run_rules
+from coreai_opt.onnx.rewrite.write_matmul_nbits import WriteMatMulNBits
 
 __all__ = ["POST_PASSES", "apply", "Rule", "Match", "Fail", "OnnxGraph", "RewriteReport", "read_report",
            "record_report"]
@@ -55,6 +58,7 @@ POST_PASSES: tuple[Rule, ...] = (
     FoldQuantizedWeights(),
     DynamicMatmulsToInteger(),
     FoldWeightTransposes(),
+    WriteMatMulNBits(),
     GatherQuantizedRows(),
     FoldConstantActivations(),
     LinearsToGemm(),

@@ -26,8 +26,15 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_serializer, fi
 
 from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec.dtypes import QuantDtype, get_dtype_info
-from coreai_opt.quantization.spec.granularity import Granularity, PerTensor, QuantizationScheme, granularity_from_dict
+from coreai_opt.quantization.spec.granularity import (
+    Granularity,
+    PerBlock,
+    PerTensor,
+    QuantizationScheme,
+    granularity_from_dict,
+)
 from coreai_opt.quantization.spec.histogram import check_num_bins
+from coreai_opt.quantization.spec.matmul_compute import MATMUL_COMPUTE_BITS, block_size_problem, get_matmul_compute
 from coreai_opt.quantization.spec.qparams_math import FLOAT32_MAX, quant_range
 from coreai_opt.quantization.spec.registry import Registry
 
@@ -66,6 +73,12 @@ class QuantizationSpec(BaseModel):
         weight_rounding: Weight-rounding algorithm key (``"rtn"``, ``"mse"``, ``"hqq"``, ``"gptq"``; see
             :mod:`~coreai_opt.quantization.spec.weight_rounding`), or ``None``: round to nearest with the
             calculator's qparams. Integer dtypes of at most 8 bits, ``qparams_calculator="static"``.
+        matmul_compute: How a weight-only linear with this weight computes in onnxruntime's ``MatMulNBits``: a
+            :data:`~coreai_opt.quantization.spec.matmul_compute.MATMUL_COMPUTE` key, ``"float"`` (default,
+            eager-equal) or ``"int8"`` (int8 activations per row and K block, emulated by the eager model; needs a
+            4- or 8-bit integer weight, per-block with a block of 16 to 256 that is a power of two, or
+            per-channel). Ignored for weights of other ops (convolutions, embeddings) and for linears whose
+            input is quantized. Left out of :meth:`to_dict` when ``"float"``.
 
     Example:
         >>> s = QuantizationSpec(dtype=torch.int8, granularity={"type": "per_channel", "axis": 0})
@@ -86,6 +99,7 @@ class QuantizationSpec(BaseModel):
     num_bins: int = 2048
     fake_quantize: str = "default"
     weight_rounding: str | None = None
+    matmul_compute: str = "float"
 
     # ----------------------------------------------------------------------------------- field validators
     @model_validator(mode="before")
@@ -135,6 +149,13 @@ class QuantizationSpec(BaseModel):
             raise TypeError(f"weight_rounding must be a registry key (str), a registered class or None, got {value!r}")
         registry.get_class(value)  # raises listing the known keys
         return value
+
+    @field_validator("matmul_compute", mode="before")
+    @classmethod
+    def _check_matmul_compute(cls, value: Any) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"matmul_compute must be a str ('float' or 'int8'), got {value!r}")
+        return get_matmul_compute(value).name
 
     @field_validator("float_range")
     @classmethod
@@ -201,6 +222,8 @@ class QuantizationSpec(BaseModel):
                 f"weight_rounding={self.weight_rounding!r} needs an integer dtype of at most 8 bits and "
                 f"qparams_calculator='static', got dtype={self.dtype!r}, qparams_calculator={self.qparams_calculator!r}"
             )
+        if get_matmul_compute(self.matmul_compute).quantizes_activation:
+            self._check_int8_compute(info)
         if getattr(qparams_cls, "stateless", False):
             if self.range_calculator != "minmax":
                 raise ValueError(
@@ -213,6 +236,16 @@ class QuantizationSpec(BaseModel):
                     "drop float_range or use qparams_calculator='static'"
                 )
         return self
+
+    def _check_int8_compute(self, info: QuantDtype) -> None:
+        where = f"matmul_compute={self.matmul_compute!r}"
+        if info.is_float or info.bits not in MATMUL_COMPUTE_BITS:
+            raise ValueError(f"{where} runs onnxruntime's MatMulNBits, which stores 4- or 8-bit integer weights; "
+                             f"got dtype={self.dtype!r}: use int4 / uint4 / int8 / uint8 or matmul_compute='float'")
+        if isinstance(self.granularity, PerBlock):
+            problem = block_size_problem(self.granularity.block_size, self.matmul_compute)
+            if problem is not None:
+                raise ValueError(f"{where}: {problem}; use a block size of 16, 32, 64, 128 or 256")
 
     # ------------------------------------------------------------------------------------ derived values
     @property
@@ -239,6 +272,8 @@ class QuantizationSpec(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         """Return a plain, JSON-serialisable dict (granularity as its ``{"type": ...}`` dict)."""
         data = self.model_dump(mode="json")
+        if data["matmul_compute"] == "float":  # the default: dicts (and saved states) from before the field
+            del data["matmul_compute"]
         if data["float_range"] is not None:
             data["float_range"] = list(data["float_range"])
         return data
