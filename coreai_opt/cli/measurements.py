@@ -77,12 +77,18 @@ def median_latency_ms(path: Path, inputs: Sequence[np.ndarray], *, threads: int 
 def export_float_onnx(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...], path: Path, *,
                       input_names: Sequence[str] | None = None, dynamic_batch: bool = True) -> Path:
     """Export the float model with the dynamo exporter to one file: the fp32 baseline."""
+    import onnx
     import torch
+
+    from coreai_opt.onnx.export import strip_debug_metadata
 
     dynamic_shapes = None
     if dynamic_batch:
         batch = torch.export.Dim("batch")
         dynamic_shapes = tuple({0: batch} if t.dim() else None for t in example_inputs)
-    torch.onnx.export(model, tuple(example_inputs), str(path), dynamo=True, dynamic_shapes=dynamic_shapes,
-                      input_names=list(input_names) if input_names else None, external_data=False, verbose=False)
+    program = torch.onnx.export(model, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes,
+                                input_names=list(input_names) if input_names else None, verbose=False)
+    model_proto = program.model_proto
+    strip_debug_metadata(model_proto)  # as export_onnx does: sizes compare like with like, bytes do not carry paths
+    onnx.save_model(model_proto, str(path))
     return path

@@ -55,7 +55,7 @@ from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation, 
 from coreai_opt.quantization.spec.matmul_compute import get_matmul_compute
 from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize_translation_table
 
-__all__ = ["export_onnx", "BATCH_DIM_NAME"]
+__all__ = ["export_onnx", "BATCH_DIM_NAME", "strip_debug_metadata"]
 
 #: Name of the symbolic batch dimension in the exported graph.
 BATCH_DIM_NAME = BATCH
@@ -117,7 +117,7 @@ def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     return len(leaves)
 
 
-def _strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
+def strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
     """Keep only the ``namespace`` (module path) of each node's exporter metadata.
 
     The dynamo exporter also records the FX node text, the class hierarchy and the Python stack trace (absolute
@@ -280,6 +280,6 @@ def export_onnx(
     report = rewrite.apply(model_proto, rewrite.POST_PASSES)
     finish_matmul_nbits(model_proto, report)
     record_report(model_proto, report)
-    _strip_debug_metadata(model_proto)
+    strip_debug_metadata(model_proto)
     save_model_atomically(model_proto, path)
     return path
