@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from coreai_opt.api.batches import as_call
+from coreai_opt.api.scaling_checks import check_float_outputs_kept, keep_token_rows
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.capture import capture as capture_model
@@ -119,9 +120,7 @@ class _MeanAbsRecorder(fx.Interpreter):
             total = flat.abs().sum(dim=0)
             self.abs_sum[n.name] = total if n.name not in self.abs_sum else self.abs_sum[n.name] + total
             self.tokens[n.name] = self.tokens.get(n.name, 0) + flat.shape[0]
-            kept = sum(t.shape[0] for t in self.samples.get(n.name, []))
-            if kept < self.max_tokens:
-                self.samples.setdefault(n.name, []).append(flat[: self.max_tokens - kept].float())
+            keep_token_rows(self.samples, n.name, flat.float(), self.max_tokens)
         return out
 
     def mean_abs(self, name: str) -> Tensor:
@@ -172,18 +171,6 @@ def _check_spec(spec: QuantizationSpec) -> None:
     if spec.dtype_info.is_float or spec.dtype_info.bits > 8:
         raise ValueError(f"awq scales for integer weights of at most 8 bits, got {spec.dtype!r}; use an int4 / "
                          "uint4 / int8 / uint8 weight spec")
-
-
-def _check_output(reference: list[Any], scaled: list[Any], rtol: float) -> None:
-    for before, after in zip(reference, scaled, strict=True):
-        if isinstance(before, Tensor) and before.is_floating_point():
-            diff = float((before - after).abs().max())
-            bound = rtol * max(float(before.abs().max()), 1e-12)
-            if diff > bound:
-                raise RuntimeError(
-                    f"activation-aware scaling changed the float output by {diff:.3g} (allowed {bound:.3g}); a "
-                    "site was misclassified as foldable. Report the model; as a workaround pass insert_mul=False"
-                )
 
 
 @public_api
@@ -248,7 +235,8 @@ def awq(
         reference = torch.utils._pytree.tree_leaves(gm(*args, **kw))
         scales, reports = _choose_scales(gm, sites, recorder, spec, tuple(float(a) for a in alphas), insert_mul)
         apply_smoothing(gm, sites, scales, insert_mul=insert_mul)
-        _check_output(reference, torch.utils._pytree.tree_leaves(gm(*args, **kw)), rtol)
+        check_float_outputs_kept(reference, torch.utils._pytree.tree_leaves(gm(*args, **kw)), rtol,
+                                 change="activation-aware scaling", workaround="pass insert_mul=False")
     return AwqResult(gm, tuple(reports))
 
 

@@ -42,6 +42,7 @@ from torch import Tensor, fx, nn
 
 from coreai_opt.api.activation_stats import ChannelAbsMax
 from coreai_opt.api.batches import as_call
+from coreai_opt.api.scaling_checks import check_float_outputs_kept, keep_token_rows
 from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.graph_attrs import attr_value
@@ -122,9 +123,7 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         if n.name in self.names and isinstance(out, Tensor):
             flat = self.absmax[self.fold].update(n.name, out)
-            kept = sum(t.shape[0] for t in self.samples[self.fold].get(n.name, []))
-            if kept < self.max_tokens:
-                self.samples[self.fold].setdefault(n.name, []).append(flat[: self.max_tokens - kept].clone())
+            keep_token_rows(self.samples[self.fold], n.name, flat, self.max_tokens)
         return out
 
     def site_absmax(self, name: str, fold: int | None = None) -> Tensor:
@@ -249,14 +248,6 @@ def smooth_quant(
     apply_smoothing(gm, sites, scales, insert_mul=insert_mul)
     with torch.no_grad():
         smoothed = torch.utils._pytree.tree_leaves(gm(*args, **kw))
-    for before, after in zip(reference, smoothed, strict=True):
-        if isinstance(before, Tensor) and before.is_floating_point():
-            diff = float((before - after).abs().max())
-            bound = rtol * max(float(before.abs().max()), 1e-12)
-            if diff > bound:
-                raise RuntimeError(
-                    f"smoothing changed the float output by {diff:.3g} (allowed {bound:.3g}); a site was "
-                    "misclassified as foldable. Report the model; as a workaround pass insert_mul=False and "
-                    "alpha=0 for it"
-                )
+    check_float_outputs_kept(reference, smoothed, rtol, change="smoothing",
+                             workaround="pass insert_mul=False and alpha=0 for it")
     return SmoothQuantResult(gm, tuple(reports))

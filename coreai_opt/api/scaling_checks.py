@@ -1,0 +1,46 @@
+"""What SmoothQuant and AWQ share: a bounded token sample per site and the check that scaling kept the float model.
+
+Both rewrite ``X @ W^T`` as ``(X / s) @ (s * W)^T``, which is exact in real arithmetic; the check after the
+rewrite catches a site that was wrongly judged foldable (the float model would change, silently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["keep_token_rows", "check_float_outputs_kept"]
+
+
+def keep_token_rows(samples: dict[str, list[Tensor]], name: str, rows: Tensor, max_tokens: int) -> None:
+    """Append the first rows of ``rows`` (``[tokens, channels]``) to ``samples[name]``, up to ``max_tokens`` in all."""
+    kept = sum(t.shape[0] for t in samples.get(name, []))
+    if kept < max_tokens:
+        samples.setdefault(name, []).append(rows[: max_tokens - kept].clone())
+
+
+def check_float_outputs_kept(reference: Sequence[Any], scaled: Sequence[Any], rtol: float, *, change: str,
+                             workaround: str) -> None:
+    """Raise when a float output moved by more than ``rtol`` of its range: ``max|a - b| > rtol · max(max|a|, 1e-12)``.
+
+    Args:
+        reference: The output leaves of the model before scaling.
+        scaled: The output leaves after scaling, in the same order.
+        rtol: Allowed max difference relative to the reference's largest magnitude.
+        change: What was applied, for the message (e.g. ``"smoothing"``).
+        workaround: How the user avoids the misclassified site, for the message.
+
+    Raises:
+        RuntimeError: an output moved by more than the bound.
+    """
+    for before, after in zip(reference, scaled, strict=True):
+        if isinstance(before, Tensor) and before.is_floating_point():
+            diff = float((before - after).abs().max())
+            bound = rtol * max(float(before.abs().max()), 1e-12)
+            if diff > bound:
+                raise RuntimeError(
+                    f"{change} changed the float output by {diff:.3g} (allowed {bound:.3g}); a site was "
+                    f"misclassified as foldable. Report the model; as a workaround {workaround}"
+                )
