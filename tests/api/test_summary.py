@@ -19,7 +19,7 @@ def test_summary_lists_quantizers_with_specs_and_qparams():
     assert text.splitlines()[1].split() == ["quantizer", "nodes", "consumers", "op", "kind", "role", "spec", "scale",
                                             "/", "zero", "point"]
     rows = {r.serves: r for r in report.quantizers}
-    assert rows["conv1.weight"].spec == "int8 symmetric per_channel(axis=0) minmax/static"
+    assert rows["conv1.weight"].spec == "int8 symmetric_with_clipping per_channel(axis=0) minmax/static"
     assert rows["conv1.weight"].qparams.startswith("16 scales in [")
     assert rows["conv1.bias"].role == "bias" and rows["conv1.bias"].qparams == "derived"
     act = rows["gn1.output"]

@@ -7,7 +7,7 @@ from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, Quanti
 
 SYM = QuantizationScheme.SYMMETRIC
 ASYM = QuantizationScheme.ASYMMETRIC
-PER_CHANNEL_INT8 = ("int8", SYM, PerChannel(axis=0), "minmax", "static")
+PER_CHANNEL_INT8 = ("int8", QuantizationScheme.SYMMETRIC_WITH_CLIPPING, PerChannel(axis=0), "minmax", "static")
 PER_BLOCK_INT4 = ("int4", QuantizationScheme(presets.W4_QSCHEME), PerBlock(axis=1, block_size=32), "minmax", "static")
 
 # name -> (weight (dtype, qscheme, granularity, range, qparams) or None, activation ... or None, int32_bias)
@@ -65,7 +65,7 @@ def test_preset_resolves_its_global_specs_for_a_conv(name):
 
 def test_preset_quant_ranges_match_dtype_table():
     w8a8 = QuantizerConfig.presets.w8a8()
-    assert (w8a8.weight.quant_min, w8a8.weight.quant_max) == (-128, 127)
+    assert (w8a8.weight.quant_min, w8a8.weight.quant_max) == (-127, 127)  # the narrowed int8 weight grid
     assert (w8a8.activation.quant_min, w8a8.activation.quant_max) == (0, 255)
     w8a16 = QuantizerConfig.presets.w8a16()
     assert (w8a16.activation.quant_min, w8a16.activation.quant_max) == (0, 65535)
@@ -158,7 +158,7 @@ def test_describe_lists_every_preset_with_summaries():
     by_name = {r.name: r for r in rows}
     assert by_name["w8a8"] == PresetInfo(
         "w8a8",
-        "int8 symmetric per-channel(axis=0), minmax/static",
+        "int8 symmetric_with_clipping per-channel(axis=0), minmax/static",
         "uint8 asymmetric per-tensor, minmax/global_minmax",
     )
     assert by_name["w4"].weight == (
@@ -178,3 +178,22 @@ def test_w4_presets_round_with_gptq_by_default_and_take_algorithm_and_qscheme():
             factory(qscheme="symmetric_with_clipping")
         with pytest.raises(ValueError, match="unknown weight rounding|not registered|valid"):
             factory(algorithm="awq")
+
+
+def test_preset_int8_weights_put_each_rows_largest_weight_exactly_on_a_level():
+    """The narrowed grid (scale = max|W_r| / 127) rounds the extreme weight with no error; the full grid (/ 127.5)
+    by half a step, which dominates a short row's error."""
+    import torch
+
+    from coreai_opt.quantization.spec import compute_qparams
+
+    spec = QuantizerConfig.presets.w8a8().weight
+    w = torch.tensor([[0.9, -0.31, 0.05, 0.4], [-1.2, 0.7, 0.33, -0.01]])
+    amax = w.abs().amax(dim=1)
+    qp = compute_qparams(-amax, amax, spec.dtype_info, spec.qscheme)
+    assert torch.equal(qp.scale, amax / 127)
+    s = qp.scale.unsqueeze(1)
+    w_hat = torch.clamp(torch.round(w / s), spec.quant_min, spec.quant_max) * s
+    assert torch.equal(w_hat[:, 0], w[:, 0])  # the extreme of each row is exact
+    full = compute_qparams(-amax, amax, spec.dtype_info, "symmetric")
+    assert torch.allclose(full.scale, amax / 127.5)

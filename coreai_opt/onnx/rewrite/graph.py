@@ -300,9 +300,20 @@ class OnnxGraph:
             self.edits += 1
 
     def write_back(self) -> None:
-        """Store the node list in the protobuf (the graph object must not be used afterwards)."""
+        """Store the node list in the protobuf (the graph object must not be used afterwards).
+
+        The ``value_info`` of values no node produces any more (folded away by a rule: a float weight, the
+        scale chain of its fake quantizer) is dropped: it only adds bytes, and a later pass that re-creates
+        the name would inherit a stale shape.
+        """
         del self.proto.node[:]
         self.proto.node.extend(self._nodes)
+        live = set(self._producer) | {value.name for value in self.proto.input}
+        live |= {tensor.name for tensor in self.proto.initializer}
+        if any(value.name not in live for value in self.proto.value_info):
+            kept = [value for value in self.proto.value_info if value.name in live]
+            del self.proto.value_info[:]
+            self.proto.value_info.extend(kept)
         self._members.clear()
 
     # ---- internals ------------------------------------------------------------------------------------------

@@ -109,6 +109,17 @@ def test_remove_dead_keeps_what_graph_outputs_need_and_drops_the_rest() -> None:
     onnx.checker.check_model(model)
 
 
+def test_write_back_drops_the_value_info_of_values_no_node_produces_any_more() -> None:
+    model = _model()
+    model.graph.value_info.extend([helper.make_tensor_value_info("d", TensorProto.FLOAT, ["batch", 3]),
+                                   helper.make_tensor_value_info("w", TensorProto.FLOAT, [3])])
+    graph = OnnxGraph(model)
+    graph.remove(next(n for n in graph.nodes if n.name == "neg"))  # "d" is no longer produced
+    graph.write_back()
+    assert [v.name for v in model.graph.value_info] == ["a", "w"]  # a node output and an initializer stay
+    onnx.checker.check_model(model)
+
+
 def test_remove_dead_keeps_values_read_inside_subgraphs() -> None:
     then_graph = helper.make_graph([helper.make_node("Identity", ["t"], ["o"])], "then", [],
                                    [helper.make_tensor_value_info("o", TensorProto.FLOAT, [1])])
