@@ -242,8 +242,9 @@ def _set_location(model: onnx.ModelProto, location: str) -> None:
 def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
     """Check and write ``model`` to ``path`` following the module's path rules (``model`` may be modified).
 
-    The single-file model is checked in memory; a model with external data is checked from its temporary files
-    (the checker then reads the tensors from disk, which also works above 2 GB).
+    The model is checked from its temporary files before they are moved into place (so the serialised bytes are
+    not held while the checker parses them; with external data the checker reads the tensors from disk, which also
+    works above 2 GB).
 
     Args:
         model: The model; its large initializers are moved to external data in place when needed.
@@ -275,10 +276,10 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
             _set_location(model, data_path.name)
             temp_model.write_bytes(model.SerializeToString(deterministic=True))
             os.replace(temp_data, data_path)
-        else:
-            onnx.checker.check_model(model)
+        else:  # checked from the temporary file: the serialised bytes are freed before the checker parses them
             temp_model = _write_temp(path, model.SerializeToString(deterministic=True))
             temps.append(temp_model)
+            onnx.checker.check_model(str(temp_model))
         os.replace(temp_model, path)
     finally:
         for temp in temps:
