@@ -299,9 +299,10 @@ class OnnxGraph:
             self._nodes = kept[::-1]
             self._changed()
         if any(name not in live for name in self._initializers):
-            kept_tensors = [t for t in self.proto.initializer if t.name in live]
-            del self.proto.initializer[:]
-            self.proto.initializer.extend(kept_tensors)
+            # deleted one by one: re-adding the survivors would copy every weight into the protobuf's arena again
+            dead = [i for i, t in enumerate(self.proto.initializer) if t.name not in live]
+            for index in reversed(dead):
+                del self.proto.initializer[index]
             self._initializers = {t.name: t for t in self.proto.initializer}
             self._arrays = {k: v for k, v in self._arrays.items() if k in self._initializers}
             self.edits += 1
