@@ -11,8 +11,10 @@
   call the exporter adds is removed. The model is exported in eval mode.
 * ``"auto"``: FX first, export if FX fails; the method used is logged and stored in ``gm.meta``.
 
-The user model is deep-copied exactly once and never touched again. Every node gets a
-:class:`~coreai_opt.passes.node_meta.NodeMeta` holding the module that owns it (from ``nn_module_stack``).
+The user model is copied exactly once and never touched again: deep-copied, or with ``share_parameters`` (what
+post-training ``prepare`` uses) deep-copied except for its parameters, whose storage the copy shares
+(:mod:`coreai_opt.passes.shared_parameters`; the passes bind new tensors instead of writing into them). Every node
+gets a :class:`~coreai_opt.passes.node_meta.NodeMeta` holding the module that owns it (from ``nn_module_stack``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from coreai_opt.passes.graph_meta import GraphMeta, get_graph_meta, set_graph_me
 from coreai_opt.passes.node_meta import NodeMeta, set_meta
 from coreai_opt.passes.savable_graph_module import SavableGraphModule
 from coreai_opt.passes.shape_guards import check_shape_guards
+from coreai_opt.passes.shared_parameters import copy_sharing_parameters
 from coreai_opt.passes.views_to_reshapes import views_to_reshapes
 
 __all__ = ["capture", "CaptureError"]
@@ -324,8 +327,9 @@ def capture(
     leaf_modules: Sequence[type | str] = (),
     concrete_args: dict[str, Any] | None = None,
     dynamic_shapes: dict[str, Any] | None = None,
+    share_parameters: bool = False,
 ) -> fx.GraphModule:
-    """Deep-copy ``model`` once and capture the copy as a GraphModule.
+    """Copy ``model`` once and capture the copy as a GraphModule.
 
     Args:
         model: The user model (never modified).
@@ -337,6 +341,8 @@ def capture(
         dynamic_shapes: For the torch.export capture: per-argument entries in ``torch.export``'s format that
             replace the default (dimension 0 of every tensor dynamic), e.g. ``{"x": None}`` keeps ``x`` static and
             ``{"ids": {0: Dim.AUTO, 1: Dim.AUTO}}`` makes two dimensions dynamic. FX graphs are size-generic.
+        share_parameters: The copy's parameters share storage with ``model``'s (no second copy of the weights);
+            for callers that only read the weights (post-training quantization).
 
     Returns:
         The GraphModule, with ``GraphMeta(capture="fx" | "export", input_names=(...))`` in
@@ -362,7 +368,7 @@ def capture(
         raise ValueError(f"capture={method!r} is not one of {_METHODS}")
     _check_dynamic_shapes(model, dynamic_shapes)
     kwargs = dict(example_kwargs or {})
-    copied = copy.deepcopy(model)
+    copied = copy_sharing_parameters(model) if share_parameters else copy.deepcopy(model)
     errors: list[str] = []
     gm: fx.GraphModule | None = None
     used = method

@@ -27,7 +27,6 @@ was scaled for, whose own rounding (GPTQ by default for ``w4``) then runs on the
 
 from __future__ import annotations
 
-import copy
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -222,7 +221,7 @@ def awq(
     batches = list(data)
     if not batches:
         raise ValueError("awq needs at least one calibration batch")
-    gm = capture_model(copy.deepcopy(model), tuple(example_inputs), dict(example_kwargs or {}), method=capture)
+    gm = capture_model(model, tuple(example_inputs), dict(example_kwargs or {}), method=capture)
     sites = find_sites(gm)
     if not sites:
         raise ValueError(f"{type(model).__name__} has no linear layer with a constant weight; nothing to scale")

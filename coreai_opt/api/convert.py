@@ -1,6 +1,7 @@
 """``convert``: freeze a calibrated (or QAT-trained) model for export.
 
-Returns a deep copy in which weight qparams are recomputed from the final weights, every ``FakeQuantize``
+Returns a copy (parameters of a post-training model share storage with ``prepared``'s, which are read-only;
+everything else deep-copied) in which weight qparams are recomputed from the final weights, every ``FakeQuantize``
 is in export mode (qparams frozen, observers off, fake quantization on), and relu/relu6/hardtanh nodes made
 redundant by their output quantizer are removed (exact, see
 :mod:`coreai_opt.passes.drop_redundant_activations`). BatchNorm was already folded by ``prepare``.
@@ -8,7 +9,6 @@ redundant by their output quantizer are removed (exact, see
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 from torch import fx
@@ -19,6 +19,7 @@ from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
 from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.graph_meta import require_graph_meta, set_graph_meta
+from coreai_opt.passes.shared_parameters import copy_sharing_parameters, protect_shared_parameters
 
 __all__ = ["convert"]
 
@@ -44,7 +45,8 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     if meta.converted:
         raise ValueError("this model is already converted; convert the prepared model instead")
     check_model_idle(prepared, "convert")
-    gm = copy.deepcopy(prepared)
+    gm = copy_sharing_parameters(prepared, only_shared=True)
+    protect_shared_parameters(gm)
     check_finite_weights(gm, "convert", "restore weights without NaN (after QAT: a checkpoint from before training "
                                         "diverged, or a lower learning rate)")
     commit_weight_qparams(gm)

@@ -42,6 +42,7 @@ from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.int8_compute_inputs import int8_compute_inputs
 from coreai_opt.passes.node_meta import get_meta
+from coreai_opt.passes.shared_parameters import protect_shared_parameters
 
 __all__ = ["prepare"]
 
@@ -70,6 +71,11 @@ def prepare(
     qat: bool = False,
 ) -> fx.GraphModule:
     """Return a quantization-ready copy of ``model`` (the model itself is never modified).
+
+    Post-training (``qat=False``) the copy shares the storage of ``model``'s parameters instead of duplicating the
+    weights (:mod:`coreai_opt.passes.shared_parameters`): they are read-only in the prepared model
+    (``requires_grad=False``; ``load_state_dict`` first gives them their own storage). Do not write into them in
+    place (that would write into ``model``); prepare with ``qat=True`` to train, which copies the weights.
 
     Args:
         model: The float model.
@@ -124,7 +130,7 @@ def prepare(
         )
     kwargs = dict(example_kwargs or {})
     gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
-                       concrete_args=concrete_args, dynamic_shapes=dynamic_shapes)
+                       concrete_args=concrete_args, dynamic_shapes=dynamic_shapes, share_parameters=not qat)
     check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
                                         "before prepare")
     gm = decompose_attention(gm).graph_module
@@ -148,6 +154,8 @@ def prepare(
         fq.enable_observer(qat)
         fq.enable_fake_quant(True)
     gm.train(qat)
+    if not qat:  # weights are only read from here on: later copies (convert) share them too
+        protect_shared_parameters(gm, share_all=True)
     set_graph_meta(gm, replace(get_graph_meta(gm), config=config.to_dict(), converted=False, qat=qat,
                                input_specs=_input_specs(model, example_inputs, kwargs)))
     return gm

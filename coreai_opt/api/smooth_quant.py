@@ -32,7 +32,6 @@ float outputs are checked against the original's on the first batch.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -217,7 +216,7 @@ def smooth_quant(
     if not batches:
         raise ValueError("smooth_quant needs at least one calibration batch")
     kwargs = dict(example_kwargs or {})
-    gm = capture_model(copy.deepcopy(model), tuple(example_inputs), kwargs, method=capture)
+    gm = capture_model(model, tuple(example_inputs), kwargs, method=capture)
     sites = find_sites(gm)
     if not sites:
         raise ValueError(f"{type(model).__name__} has no linear layer with a constant weight; nothing to smooth")

@@ -1,7 +1,9 @@
 """``export_onnx``: a converted model -> one checked, deterministic ONNX QDQ file.
 
 Recipe: check the model is converted -> pick the opset from its quantizers (:mod:`coreai_opt.onnx.opset`) ->
-``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> apply the ONNX
+``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> quantize the large
+weights in chunks before the model is serialised (:mod:`coreai_opt.onnx.prequantize_weights`: no float copy of
+them reaches the protobuf, and step 1 takes their integers as computed) -> apply the ONNX
 post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per module of
 :mod:`coreai_opt.onnx.rewrite`):
 
@@ -33,6 +35,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from torch import nn
@@ -45,6 +48,11 @@ from coreai_opt.onnx.export_routes import export_with_fallback, torchscript_expo
 from coreai_opt.onnx.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.opset import preferred_opset, select_opset
+from coreai_opt.onnx.prequantize_weights import (
+    check_no_deferred_weights,
+    defer_large_weights,
+    prequantize_initializers,
+)
 from coreai_opt.onnx.rewrite.report import record_report
 from coreai_opt.onnx.rewrite.write_matmul_nbits import finish_matmul_nbits
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
@@ -133,11 +141,23 @@ def strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
 def _export_proto(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
     input_names: list[str], output_names: list[str],
-) -> onnx.ModelProto:
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The exported protobuf and its large weights, quantized in chunks (:mod:`~coreai_opt.onnx.prequantize_weights`).
+
+    On the dynamo route the float copies of those weights never reach the protobuf.
+    """
+
+    def dynamo() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
+        quantized = defer_large_weights(program.model)
+        return program.model_proto, quantized
+
+    def torchscript() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
+        return proto, prequantize_initializers(proto)
+
     with third_party_noise.scoped():  # the exporter's known harmless warnings, for this call only
-        return export_with_fallback(
-            lambda: _dynamo_export(model, inputs, opset, axes, input_names, output_names).model_proto,
-            lambda: torchscript_export(model, inputs, opset, axes, input_names, output_names))
+        return export_with_fallback(dynamo, torchscript)
 
 
 def _dynamo_export(
@@ -275,9 +295,11 @@ def export_onnx(
     check_io_names(in_names, out_names)
 
     axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
-    model_proto = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
+    model_proto, quantized = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
     check_axes_are_dynamic(model_proto, axes)
-    report = rewrite.apply(model_proto, rewrite.POST_PASSES)
+    report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized)
+    del quantized
+    check_no_deferred_weights(model_proto)
     finish_matmul_nbits(model_proto, report)
     record_report(model_proto, report)
     strip_debug_metadata(model_proto)

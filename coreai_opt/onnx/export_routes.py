@@ -22,6 +22,7 @@ import io
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import onnx
 import torch
@@ -38,6 +39,8 @@ __all__ = ["ExportRouteError", "export_with_fallback", "torchscript_export", "TO
 #: Highest opset the TorchScript exporter writes.
 TORCHSCRIPT_MAX_OPSET = 20
 _TORCHSCRIPT_DTYPES = ("int8", "uint8", "int32")
+#: What both routes return (the protobuf, possibly with what export computed alongside it).
+Exported = TypeVar("Exported")
 _QDQ = "coreai_opt::quantize_dequantize"
 _DYNAMIC_QDQ = "coreai_opt::dynamic_quantize_dequantize"
 _EXECUTING = re.compile(r"While executing %\S+ : .*?target=(?P<op>[\w.:]+)")
@@ -67,8 +70,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
-def export_with_fallback(dynamo: Callable[[], onnx.ModelProto], torchscript: Callable[[], onnx.ModelProto]
-                         ) -> onnx.ModelProto:
+def export_with_fallback(dynamo: Callable[[], Exported], torchscript: Callable[[], Exported]) -> Exported:
     """Run ``dynamo``; when its decomposition step fails, warn and run ``torchscript``.
 
     Raises:

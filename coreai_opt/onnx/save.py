@@ -25,7 +25,9 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from onnx import numpy_helper
@@ -86,9 +88,8 @@ def _tensor_bytes(model: onnx.ModelProto) -> int:
     return sum(len(t.raw_data) if t.HasField("raw_data") else t.ByteSize() for t in model.graph.initializer)
 
 
-def _externalize(model: onnx.ModelProto, location: str) -> bytes:
-    """Move large initializers out of ``model`` (in place); return the bytes of the data file."""
-    chunks: list[bytes] = []
+def _externalize(model: onnx.ModelProto, location: str, out: BinaryIO) -> None:
+    """Move large initializers out of ``model`` (in place), writing the data file to ``out`` one tensor at a time."""
     offset = 0
     for tensor in model.graph.initializer:
         if not tensor.HasField("raw_data"):
@@ -96,10 +97,10 @@ def _externalize(model: onnx.ModelProto, location: str) -> bytes:
         if len(tensor.raw_data) < EXTERNAL_TENSOR_MIN_BYTES:
             continue
         padding = -offset % EXTERNAL_DATA_ALIGNMENT
-        chunks.append(b"\0" * padding)
+        out.write(b"\0" * padding)
         offset += padding
         data = tensor.raw_data
-        chunks.append(data)
+        out.write(data)
         del tensor.external_data[:]
         for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
             entry = tensor.external_data.add()
@@ -107,7 +108,7 @@ def _externalize(model: onnx.ModelProto, location: str) -> bytes:
         tensor.data_location = onnx.TensorProto.EXTERNAL
         tensor.ClearField("raw_data")
         offset += len(data)
-    return b"".join(chunks)
+        del data
 
 
 def _name_max(directory: Path) -> int:
@@ -155,12 +156,18 @@ def _create_temp(target: Path) -> tuple[int, Path]:
     raise FileExistsError(f"could not create a temporary file beside {target} after {_TEMP_ATTEMPTS} attempts")
 
 
-def _write_temp(target: Path, data: bytes) -> Path:
-    """Write ``data`` to a fsynced temporary file beside ``target`` (see :func:`_create_temp`); return its path."""
+def _write_temp(target: Path, data: bytes | Callable[[BinaryIO], None]) -> Path:
+    """Write ``data`` (bytes, or a writer called with the open file) to a fsynced temporary file beside ``target``.
+
+    See :func:`_create_temp`; returns the temporary file's path.
+    """
     fd, temp = _create_temp(target)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -242,8 +249,9 @@ def _set_location(model: onnx.ModelProto, location: str) -> None:
 def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
     """Check and write ``model`` to ``path`` following the module's path rules (``model`` may be modified).
 
-    The single-file model is checked in memory; a model with external data is checked from its temporary files
-    (the checker then reads the tensors from disk, which also works above 2 GB).
+    The model is checked from its temporary files before they are moved into place (so the serialised bytes are
+    not held while the checker parses them; with external data the checker reads the tensors from disk, which also
+    works above 2 GB).
 
     Args:
         model: The model; its large initializers are moved to external data in place when needed.
@@ -266,7 +274,7 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
     temps: list[Path] = []
     try:
         if external:
-            temp_data = _write_temp(data_path, _externalize(model, ""))
+            temp_data = _write_temp(data_path, lambda out: _externalize(model, "", out))  # streamed: no 2nd copy
             temps.append(temp_data)
             _set_location(model, temp_data.name)
             temp_model = _write_temp(path, model.SerializeToString(deterministic=True))
@@ -275,10 +283,10 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
             _set_location(model, data_path.name)
             temp_model.write_bytes(model.SerializeToString(deterministic=True))
             os.replace(temp_data, data_path)
-        else:
-            onnx.checker.check_model(model)
+        else:  # checked from the temporary file: the serialised bytes are freed before the checker parses them
             temp_model = _write_temp(path, model.SerializeToString(deterministic=True))
             temps.append(temp_model)
+            onnx.checker.check_model(str(temp_model))
         os.replace(temp_model, path)
     finally:
         for temp in temps:

@@ -330,8 +330,8 @@ def verify_onnx(
         for k, (ref, got) in enumerate(zip(eager, onnx_out, strict=True)):
             refs[k].append(ref)
             gots[k].append(got)
-    proto = onnx.load(str(path), load_external_data=False)
-    steps = _output_steps(proto)
+    del runner  # the sessions below load the file again: never hold two copies of its weights at once
+    steps = _output_steps(onnx.load(str(path), load_external_data=False))  # released before the sessions below
     tolerances = derive_tolerances(optimized_model(path, "all"), set(steps))
     outputs = tuple(
         _compare(name, refs[k], gots[k], steps.get(name), tolerances.get(name)) for k, name in enumerate(output_names)

@@ -29,8 +29,9 @@ byte-identical to what it was, and most of these rules (the ORT-exact folder, th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import onnx
 
 from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
@@ -71,17 +72,20 @@ POST_PASSES: tuple[Rule, ...] = (
 )
 
 
-def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES) -> RewriteReport:
+def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES,
+          precomputed: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
     """Apply ``rules`` in order to the main graph of ``model``, in place.
 
     Args:
         model: The model to rewrite (functions and subgraphs are not rewritten).
         rules: The rules, default :data:`POST_PASSES`.
+        precomputed: Constant values already computed outside the graph (see
+            :class:`~coreai_opt.onnx.rewrite.graph.OnnxGraph`).
 
     Returns:
         ``{rule name: sites rewritten}`` and the near misses (see :mod:`~coreai_opt.onnx.rewrite.rule`).
     """
-    graph = OnnxGraph(model)
+    graph = OnnxGraph(model, precomputed)
     report = run_rules(rules, graph)
     graph.write_back()
     return report

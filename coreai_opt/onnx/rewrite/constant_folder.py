@@ -9,7 +9,9 @@ The arithmetic is onnxruntime's, so a folded value equals what the unfolded grap
   ``Cast``, ``Clip``, ``Identity``, ``Reshape``, ``Gather`` and ``Unsqueeze`` (data movement: exact).
 
 Anything else, or a non-float32 ``QuantizeLinear`` input, is not evaluated; :attr:`ConstantFolder.refusal` then
-says why when the refusing op had constant inputs.
+says why when the refusing op had constant inputs. Values the graph lists in ``OnnxGraph.precomputed`` (large
+weights ``export_onnx`` quantized chunk by chunk with :func:`evaluate_node`, see
+:mod:`coreai_opt.onnx.prequantize_weights`) are taken as computed instead of evaluated again.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from onnx import TensorProto, helper
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
 from coreai_opt.onnx.rewrite.qdq import axis_and_block
 
-__all__ = ["ConstantFolder", "expand_qparam", "dequantize", "FLOAT8", "INTEGER"]
+__all__ = ["ConstantFolder", "evaluate_node", "expand_qparam", "dequantize", "FLOAT8", "INTEGER"]
 
 _Arrays = list["np.ndarray | None"]
 #: An evaluator returns the value, or a short reason why it does not evaluate these inputs.
@@ -156,6 +158,16 @@ _EVALUATORS: dict[str, _Evaluator] = {
 }
 
 
+def evaluate_node(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | str | None:
+    """``node`` on constant ``inputs`` with onnxruntime's arithmetic; a reason string when it refuses them.
+
+    Returns:
+        The output, a short reason why these inputs are not evaluated, or None when the op is not supported.
+    """
+    evaluate = _EVALUATORS.get(node.op_type)
+    return None if evaluate is None else evaluate(node, inputs)
+
+
 class ConstantFolder:
     """Evaluates constant values of one graph on demand (memoised for the folder's lifetime).
 
@@ -175,6 +187,8 @@ class ConstantFolder:
             return None
         if name not in self._values:
             constant = self.graph.constant(name)
+            if constant is None:
+                constant = self.graph.precomputed.get(name)
             node = self.graph.producer(name)
             if constant is None and node is not None and node.domain in ("", "ai.onnx"):
                 constant = self._evaluate(node)
@@ -182,13 +196,12 @@ class ConstantFolder:
         return self._values[name]
 
     def _evaluate(self, node: onnx.NodeProto) -> np.ndarray | None:
-        evaluate = _EVALUATORS.get(node.op_type)
-        if evaluate is None or len(node.output) != 1:
+        if node.op_type not in _EVALUATORS or len(node.output) != 1:
             return None
         inputs = [self.value(name) if name else None for name in node.input]
         if any(v is None for name, v in zip(node.input, inputs, strict=True) if name):
             return None
-        result = evaluate(node, inputs)
+        result = evaluate_node(node, inputs)
         if isinstance(result, str):
             self.refusal = self.refusal or result
             return None

@@ -15,7 +15,7 @@ writes initializer ``value_info`` in another order), which would break the byte-
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -46,10 +46,17 @@ class OnnxGraph:
 
     Args:
         model: The model whose main graph is rewritten in place (functions and subgraphs are not rewritten).
+        precomputed: Values of some of its computed constants, already evaluated outside the graph (the
+            quantized large weights of :mod:`coreai_opt.onnx.prequantize_weights`, keyed by the name of the
+            ``QuantizeLinear`` output); the constant folder takes them instead of evaluating their nodes.
+
+    Attributes:
+        precomputed: The ``precomputed`` values.
     """
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: onnx.ModelProto, precomputed: Mapping[str, np.ndarray] | None = None) -> None:
         self.proto = model.graph
+        self.precomputed: Mapping[str, np.ndarray] = precomputed or {}
         self._nodes: list[onnx.NodeProto] = list(self.proto.node)
         self.inputs = frozenset(value.name for value in self.proto.input)
         self.outputs = frozenset(value.name for value in self.proto.output)
@@ -292,9 +299,10 @@ class OnnxGraph:
             self._nodes = kept[::-1]
             self._changed()
         if any(name not in live for name in self._initializers):
-            kept_tensors = [t for t in self.proto.initializer if t.name in live]
-            del self.proto.initializer[:]
-            self.proto.initializer.extend(kept_tensors)
+            # deleted one by one: re-adding the survivors would copy every weight into the protobuf's arena again
+            dead = [i for i, t in enumerate(self.proto.initializer) if t.name not in live]
+            for index in reversed(dead):
+                del self.proto.initializer[index]
             self._initializers = {t.name: t for t in self.proto.initializer}
             self._arrays = {k: v for k, v in self._arrays.items() if k in self._initializers}
             self.edits += 1
