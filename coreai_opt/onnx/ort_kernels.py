@@ -94,6 +94,8 @@ KERNELS: dict[tuple[str, str], KernelNumerics] = {
                   "QuantizeLinear"),
         *_entries("", Status.EXACT, False, "bit-exact with the eager op (132-cell parity table)", "DequantizeLinear"),
         *_entries("com.microsoft", Status.EXACT, True, "max-pooling of integers in NHWC layout", "NhwcMaxPool"),
+        *_entries("com.microsoft", Status.EXACT, False, "gathers quantized rows, then (q - z)·s in float32 as "
+                  "DequantizeLinear does: bit-exact", "GatherBlockQuantized"),
         *_entries("com.microsoft.nchwc", Status.EXACT, False, "layout change", "ReorderInput", "ReorderOutput"),
         *_entries("com.microsoft.nchwc", Status.EXACT, False, _MOVES, "MaxPool", "GlobalMaxPool", "Upsample"),
         *_entries("", Status.PINNED, False, _FLOAT_ORDER, "Conv", "ConvTranspose", "Gemm", "MatMul", "ReduceMean",

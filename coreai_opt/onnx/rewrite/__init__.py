@@ -10,15 +10,17 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 3. ``fold_weight_transposes``: ``DQ(W) -> Transpose`` -> ``DQ(Wᵀ)`` (``DQ -> MatMul``, e.g. ``MatMulNBits``).
 4. ``write_matmul_nbits``: weight-only ``MatMul`` (and int8-marked ``Gemm``) -> ``MatMulNBits`` with the accuracy
    level the weight spec's ``matmul_compute`` names (1: float, eager-equal; 4: int8, emulated in eager).
-5. ``gather_quantized_rows``: ``DQ(table) -> Gather`` -> ``Gather -> DQ`` (dequantize only the rows read).
-6. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
-7. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
-8. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
-9. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
-10. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
-11. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-12. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-13. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+5. ``gather_block_quantized_rows``: ``DQ(per-block table) -> Gather`` -> ``GatherBlockQuantized`` (rows only;
+   a table a ``MatMulNBits`` already stores is read from there).
+6. ``gather_quantized_rows``: ``DQ(table) -> Gather`` -> ``Gather -> DQ`` (dequantize only the rows read).
+7. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
+8. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
+9. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
+10. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
+11. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
+12. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+13. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+14. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
 unchanged exported model already changes its bytes (measured on a 3-linear model: it drops the ``value_info`` of 10
@@ -33,6 +35,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.drop_zero_biases import DropZeroBiases
@@ -40,6 +43,7 @@ from coreai_opt.onnx.rewrite.dynamic_matmuls_to_integer import DynamicMatmulsToI
 from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
 from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
 from coreai_opt.onnx.rewrite.fold_weight_transposes import FoldWeightTransposes
+from coreai_opt.onnx.rewrite.gather_block_quantized_rows import CONTRIB_DOMAIN, GatherBlockQuantizedRows
 from coreai_opt.onnx.rewrite.gather_quantized_rows import GatherQuantizedRows
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivations
@@ -60,6 +64,7 @@ POST_PASSES: tuple[Rule, ...] = (
     DynamicMatmulsToInteger(),
     FoldWeightTransposes(),
     WriteMatMulNBits(),
+    GatherBlockQuantizedRows(),
     GatherQuantizedRows(),
     FoldConstantActivations(),
     LinearsToGemm(),
@@ -88,4 +93,6 @@ def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES,
     graph = OnnxGraph(model, precomputed)
     report = run_rules(rules, graph)
     graph.write_back()
+    if report.counts.get(GatherBlockQuantizedRows.name) and all(o.domain != CONTRIB_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))  # GatherBlockQuantized's opset
     return report
