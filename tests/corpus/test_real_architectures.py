@@ -21,23 +21,8 @@ DEFAULT_MODELS = ("hf-convnext", "hf-distilbert", "hf-opt", "hf-deit")
 
 #: Models that fail today, with the measured cause (the report of issue 13 part 1 has the numbers).
 KNOWN_FAILURES: dict[str, str] = {
-    "hf-vit": "verify_onnx not ok: 12 output steps between onnxruntime and eager (issue 13 cause 5)",
-    "timm-resnet18": "verify_onnx not ok: 6 output steps, top-1 87.5 % (cause 5); the in-place residual add "
-                     "(x += shortcut -> aten.add_) is not in the op table, so the relu after it is requantized; "
-                     "SQNR 28.7 dB vs 30.4 dB for quantize_static",
-    "hf-resnet": "SQNR 36.0 dB vs 38.0 dB for quantize_static (not the in-place add: with aten.add_ treated as "
-                 "an add, QLinearAdd 2/2 and 0 verify steps, it stays 36.1 dB)",
-    "hf-bert": "SQNR 29.3 dB vs 30.3 dB for quantize_static (18/18 integer kernels on both sides)",
-    "hf-dinov2": "SQNR 19.4 dB vs 19.9 dB for quantize_static (-0.54 dB, margin 0.5 dB)",
-    "hf-gpt-neo": "verify_onnx not ok: 4 output steps, top-1 96.1 % at LM positions (cause 5); SQNR 25.3 dB vs "
-                  "5.7 dB for quantize_static",
-    "timm-mobilenetv3": "verify_onnx not ok: 25 output steps, top-1 93.8 % (cause 5); SQNR 17.2 dB vs 18.1 dB for "
-                        "quantize_static (54/54 integer kernels)",
-    "timm-vit-tiny": "verify_onnx not ok: 6 output steps (cause 5); SQNR 11.3 dB vs 10.5 dB, 14/14 integer kernels",
-    "timm-deit-tiny": "verify_onnx not ok: 6 output steps (cause 5); SQNR 11.3 dB vs 10.5 dB, 14/14 integer kernels",
-    "hf-regnet": "SQNR 35.1 dB vs 36.1 dB for quantize_static (14/14 integer kernels, 0 BatchNormalization left)",
-    "timm-efficientnet-b0": "verify_onnx not ok: 4 output steps (cause 5); SQNR 35.7 dB vs 36.3 dB for "
-                            "quantize_static (82/82 integer kernels, 0 BatchNormalization left)",
+    "timm-efficientnet-b0": "SQNR 34.4 dB vs 36.3 dB for quantize_static (verify ok, 82/82 integer kernels, 0 "
+                            "BatchNormalization left)",
 }
 
 SQNR_MARGIN_DB = 0.5
