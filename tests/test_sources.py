@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,3 +85,37 @@ def test_no_module_outside_the_spec_layer_reaches_into_fake_quantize_internals()
 def test_the_check_finds_a_reach_in() -> None:
     code = 'a = fq.calculator.scale\nb = getattr(fq, "exports_dynamic", False)\nc = fq.get_qparams().scale\n'
     assert sorted(_internal_reach_ins(ast.parse(code))) == [1, 2]
+
+
+#: Every Python file outside tests: the library, benchmarks, examples and any top-level script.
+NON_TEST_SOURCES = sorted([*LIBRARY, *(ROOT / "benchmarks").rglob("*.py"), *(ROOT / "examples").rglob("*.py"),
+                           *ROOT.glob("*.py")])
+MAX_FILE_LINES = 400
+MAX_MEDIAN_LINES = 150
+
+
+def _line_counts(paths: list[Path]) -> dict[str, int]:
+    return {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in paths}
+
+
+def _over_limit(counts: dict[str, int]) -> list[str]:
+    """``"<file>: <lines>"`` for every file over :data:`MAX_FILE_LINES`, longest first."""
+    return [f"{name}: {lines}" for name, lines in sorted(counts.items(), key=lambda kv: -kv[1])
+            if lines > MAX_FILE_LINES]
+
+
+def test_no_source_file_outside_tests_is_over_400_lines() -> None:
+    offenders = _over_limit(_line_counts(NON_TEST_SOURCES))
+    assert offenders == [], f"split along their seams (at most {MAX_FILE_LINES} lines each): {offenders}"
+
+
+def test_the_median_source_file_outside_tests_is_at_most_150_lines() -> None:
+    counts = _line_counts(NON_TEST_SOURCES)
+    median = statistics.median(counts.values())
+    largest = sorted(counts.items(), key=lambda kv: -kv[1])[:10]
+    assert len(counts) > 150 and median <= MAX_MEDIAN_LINES, (
+        f"median {median} lines over {len(counts)} files (at most {MAX_MEDIAN_LINES}); the largest: {largest}")
+
+
+def test_the_size_check_names_a_file_over_400_lines() -> None:
+    assert _over_limit({"a.py": 400, "b.py": 401, "c.py": 612}) == ["c.py: 612", "b.py: 401"]

@@ -27,7 +27,8 @@ from torch import fx
 from coreai_opt.api._state import fake_quantizers
 from coreai_opt.api.batches import as_call
 from coreai_opt.api.model_guard import exclusive_model
-from coreai_opt.config.quantizer_config import OpConfig, QuantizerConfig
+from coreai_opt.config.op_config import OpConfig
+from coreai_opt.config.quantizer_config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.graph_meta import require_graph_meta
 from coreai_opt.passes.node_meta import get_meta

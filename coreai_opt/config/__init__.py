@@ -8,15 +8,12 @@ Example:
 from __future__ import annotations
 
 from coreai_opt.config import presets
+from coreai_opt.config.level_keys import OP_KINDS
+from coreai_opt.config.module_types import normalize_module_type
+from coreai_opt.config.op_config import OpConfig
 from coreai_opt.config.presets import PresetInfo, Presets
-from coreai_opt.config.quantizer_config import (
-    OP_KINDS,
-    UNSET,
-    OpConfig,
-    QuantizerConfig,
-    ResolvedSpecs,
-    normalize_module_type,
-)
+from coreai_opt.config.quantizer_config import UNSET, QuantizerConfig
+from coreai_opt.config.resolution import ResolvedSpecs
 
 __all__ = [
     "OP_KINDS",

@@ -39,7 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from coreai_opt.config.quantizer_config import OpConfig, QuantizerConfig
+from coreai_opt.config.op_config import OpConfig
+from coreai_opt.config.quantizer_config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec import (
     PerBlock,

@@ -41,6 +41,10 @@ Mutation
 place and return ``self``, so both ``cfg.set_op_kind(...)`` and ``cfg = cfg.set_op_kind(...).set_...(...)``
 work. Use ``cfg.model_copy(deep=True)`` for an independent copy. Mutate through the setters (or by assigning
 whole fields); editing the dicts in place bypasses validation.
+
+Where the parts live: :mod:`~coreai_opt.config.op_config` (``OpConfig``), :mod:`~coreai_opt.config.level_keys`
+(the keys of each level, checked), :mod:`~coreai_opt.config.resolution` (``resolve``),
+:mod:`~coreai_opt.config.coercion` (values from and to plain dicts) and :mod:`~coreai_opt.config.presets`.
 """
 
 from __future__ import annotations
@@ -50,24 +54,21 @@ import re
 from collections.abc import Iterable, Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from coreai_opt.config.coercion import check_keys, require_mapping, spec_from_value, spec_to_dict
+from coreai_opt.config.level_keys import normalize_level, validate_op_kind, validate_regex
 from coreai_opt.config.module_types import normalize_module_type, qualified_name
+from coreai_opt.config.op_config import OpConfig
+from coreai_opt.config.resolution import ResolvedSpecs, resolve_specs
 from coreai_opt.error_boundary import public_api
-from coreai_opt.passes.annotate import CONFIGURABLE_KINDS, SHARING_KINDS
 from coreai_opt.quantization.spec import QuantizationSpec
 
-__all__ = ["OP_KINDS", "UNSET", "OpConfig", "QuantizerConfig", "ResolvedSpecs", "normalize_module_type"]
-
-#: The op kinds a config can target with ``op_kind``: every kind whose quantization pattern applies the config's
-#: specs (derived from :data:`coreai_opt.passes.annotate.PATTERNS`, so the two cannot drift apart).
-OP_KINDS: tuple[str, ...] = tuple(kind.value for kind in CONFIGURABLE_KINDS)
-_SHARING_KINDS: tuple[str, ...] = tuple(kind.value for kind in SHARING_KINDS)
-
-_SPEC_FIELDS: tuple[str, ...] = ("weight", "activation")
+# OpConfig is imported from here too (coreai_opt.config.quantizer_config.OpConfig), so it stays in __all__.
+__all__ = ["UNSET", "OpConfig", "QuantizerConfig"]
 
 
 class _Unset(Enum):
@@ -81,215 +82,6 @@ class _Unset(Enum):
 
 #: Default of :meth:`QuantizerConfig.set_global` arguments: "leave this field as it is" (``None`` means float).
 UNSET = _Unset.UNSET
-
-
-class ResolvedSpecs(NamedTuple):
-    r"""What :meth:`QuantizerConfig.resolve` decided for one op.
-
-    Attributes:
-        weight: Spec for the op's weight, or None to keep it in float.
-        activation: Spec for the op's activations, or None to keep them in float.
-        source: Which entry decided, e.g. ``"module_name:'layer1\..*'"``,
-            ``"module_type:torch.nn.modules.conv.Conv2d"``, ``"op_kind:conv"`` or ``"global"``. When weight and
-            activation come from different entries: ``"weight from <source>; activation from <source>"``.
-    """
-
-    weight: QuantizationSpec | None
-    activation: QuantizationSpec | None
-    source: str
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Conversion helpers
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _plain(value: Any) -> Any:
-    """Convert tuples to lists and enums to their values, recursively, so the result is YAML/JSON-safe."""
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _error_text(exc: Exception) -> str:
-    """One-line text of ``exc``; pydantic errors become ``"loc: msg; ..."`` (our own messages name their key)."""
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    parts = []
-    for err in exc.errors(include_url=False):
-        msg = err["msg"]
-        if msg.startswith("Value error, "):
-            parts.append(msg.removeprefix("Value error, "))
-        else:
-            loc = ".".join(str(p) for p in err["loc"])
-            parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
-
-
-def _spec_to_dict(spec: QuantizationSpec | None) -> dict[str, Any] | None:
-    return None if spec is None else _plain(spec.to_dict())
-
-
-def _spec_from_value(value: Any, where: str) -> QuantizationSpec | None:
-    """Accept a spec, a spec dict or None; name ``where`` in any error."""
-    if value is None or isinstance(value, QuantizationSpec):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return QuantizationSpec.from_dict(dict(value))
-        except TypeError as exc:
-            raise TypeError(f"{where}: {exc}") from exc
-        except ValueError as exc:
-            raise ValueError(f"{where}: {_error_text(exc)}") from exc
-    raise TypeError(
-        f"{where} must be a QuantizationSpec, a dict accepted by QuantizationSpec.from_dict, or None (float); "
-        f"got {type(value).__name__}: {value!r}"
-    )
-
-
-def _check_keys(data: Mapping[str, Any], valid: Iterable[str], where: str) -> None:
-    valid = tuple(valid)
-    for key in data:
-        if key not in valid:
-            raise ValueError(f"{where} got unknown key {key!r}; valid keys: {', '.join(valid)}")
-
-
-def _require_mapping(data: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise TypeError(f"{where} must be a dict, got {type(data).__name__}: {data!r}")
-    return data
-
-
-# --------------------------------------------------------------------------------------------------------------
-# OpConfig
-# --------------------------------------------------------------------------------------------------------------
-
-
-class OpConfig(BaseModel):
-    """Weight and activation specs for one entry of a precedence level.
-
-    Each field is unset (inherit from the lower level), None (float) or a spec; see the module docstring.
-
-    Args:
-        weight: Spec for weights, None for float, or leave it out to inherit.
-        activation: Spec for activations, None for float, or leave it out to inherit.
-
-    Example:
-        >>> OpConfig(activation=None).is_set("weight"), OpConfig(activation=None).is_set("activation")
-        (False, True)
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    weight: QuantizationSpec | None = None
-    activation: QuantizationSpec | None = None
-
-    @field_validator("weight", "activation", mode="before")
-    @classmethod
-    def _coerce_spec(cls, value: Any, info: Any) -> QuantizationSpec | None:
-        return _spec_from_value(value, f"OpConfig.{info.field_name}")
-
-    @public_api
-    def is_set(self, field: Literal["weight", "activation"]) -> bool:
-        """Return True when ``field`` was given explicitly (as a spec or as None).
-
-        Raises:
-            ValueError: ``field`` is not ``"weight"`` or ``"activation"``.
-        """
-        if field not in _SPEC_FIELDS:
-            raise ValueError(f"OpConfig has no field {field!r}; use 'weight' or 'activation'")
-        return field in self.model_fields_set
-
-    @public_api
-    def to_dict(self) -> dict[str, Any]:
-        """Return a plain dict holding only the set fields (an unset field is absent, a float one is None)."""
-        return {f: _spec_to_dict(getattr(self, f)) for f in _SPEC_FIELDS if self.is_set(f)}
-
-    @classmethod
-    @public_api
-    def from_dict(cls, data: Mapping[str, Any]) -> OpConfig:
-        """Build from :meth:`to_dict` output; absent keys stay unset.
-
-        Raises:
-            ValueError: Unknown key (named) or invalid spec.
-            TypeError: ``data`` is not a dict.
-        """
-        data = _require_mapping(data, "OpConfig")
-        _check_keys(data, _SPEC_FIELDS, "OpConfig")
-        return cls.model_validate(dict(data))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, OpConfig):
-            return NotImplemented
-        return self.model_fields_set == other.model_fields_set and all(
-            getattr(self, f) == getattr(other, f) for f in _SPEC_FIELDS
-        )
-
-    def __hash__(self) -> int:
-        return hash((frozenset(self.model_fields_set), self.weight, self.activation))
-
-
-def _op_config_from_value(value: Any, where: str) -> OpConfig | None:
-    if value is None or isinstance(value, OpConfig):
-        return value
-    if isinstance(value, Mapping):
-        try:
-            return OpConfig.from_dict(value)
-        except TypeError as exc:
-            raise TypeError(f"{where}: {exc}") from exc
-        except ValueError as exc:
-            raise ValueError(f"{where}: {_error_text(exc)}") from exc
-    raise TypeError(f"{where} must be an OpConfig, a dict or None (float); got {type(value).__name__}: {value!r}")
-
-
-def _validate_regex(pattern: Any) -> str:
-    if not isinstance(pattern, str):
-        raise TypeError(f"module_name key must be a regex string, got {type(pattern).__name__}: {pattern!r}")
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(
-            f"module_name key {pattern!r} is not a valid regex ({exc}); escape literal characters with re.escape"
-        ) from exc
-    return pattern
-
-
-def _validate_op_kind(kind: Any) -> str:
-    if kind in _SHARING_KINDS:
-        raise ValueError(
-            f"op kind {kind!r} only moves values and shares its input's quantizer, so a config cannot set it; "
-            "configure the op that produces its input instead"
-        )
-    if kind not in OP_KINDS:
-        raise ValueError(f"unknown op kind {kind!r} in op_kind; valid op kinds: {', '.join(OP_KINDS)}")
-    return kind
-
-
-_KEY_NORMALIZERS = {
-    "op_kind": _validate_op_kind,
-    "module_type": normalize_module_type,
-    "module_name": _validate_regex,
-}
-
-
-def _normalize_level(level: str, value: Any) -> dict[str, OpConfig | None]:
-    """Validate one level dict: normalise keys (later duplicates win, moved last) and coerce values."""
-    mapping = _require_mapping(value, level)
-    out: dict[str, OpConfig | None] = {}
-    for raw_key, entry in mapping.items():
-        key = _KEY_NORMALIZERS[level](raw_key)
-        out.pop(key, None)
-        out[key] = _op_config_from_value(entry, f"{level}[{key!r}]")
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# QuantizerConfig
-# --------------------------------------------------------------------------------------------------------------
 
 
 class QuantizerConfig(BaseModel):
@@ -342,12 +134,12 @@ class QuantizerConfig(BaseModel):
     @field_validator("weight", "activation", mode="before")
     @classmethod
     def _coerce_global_spec(cls, value: Any, info: Any) -> QuantizationSpec | None:
-        return _spec_from_value(value, f"QuantizerConfig.{info.field_name}")
+        return spec_from_value(value, f"QuantizerConfig.{info.field_name}")
 
     @field_validator("op_kind", "module_type", "module_name", mode="before")
     @classmethod
     def _coerce_level(cls, value: Any, info: Any) -> dict[str, OpConfig | None]:
-        return _normalize_level(info.field_name, value)
+        return normalize_level(info.field_name, value)
 
     # ---- chainable setters ---------------------------------------------------------------------------------
 
@@ -383,7 +175,7 @@ class QuantizerConfig(BaseModel):
         Raises:
             ValueError: ``kind`` is not in :data:`OP_KINDS` (the message lists them).
         """
-        self.op_kind = self._with_entry(self.op_kind, _validate_op_kind(kind), config)
+        self.op_kind = self._with_entry(self.op_kind, validate_op_kind(kind), config)
         return self
 
     @public_api
@@ -412,7 +204,7 @@ class QuantizerConfig(BaseModel):
         Raises:
             ValueError: ``pattern`` is not a valid regex.
         """
-        self.module_name = self._with_entry(self.module_name, _validate_regex(pattern), config)
+        self.module_name = self._with_entry(self.module_name, validate_regex(pattern), config)
         return self
 
     @staticmethod
@@ -443,47 +235,7 @@ class QuantizerConfig(BaseModel):
         Raises:
             TypeError: Arguments of the wrong type.
         """
-        if not isinstance(op_kind, str):
-            raise TypeError(f"resolve: op_kind must be a str, got {op_kind!r}")
-        if isinstance(op_kind, Enum):  # the graph pass's str-valued OpKind
-            op_kind = op_kind.value
-        if module_name is not None and not isinstance(module_name, str):
-            raise TypeError(f"resolve: module_name must be a str or None, got {module_name!r}")
-        if module_type is not None and not isinstance(module_type, type):
-            raise TypeError(f"resolve: module_type must be a class or None, got {module_type!r}")
-
-        candidates: list[tuple[str, OpConfig | None]] = []
-        if module_name is not None:
-            for pattern, entry in reversed(self.module_name.items()):
-                if re.fullmatch(pattern, module_name):
-                    candidates.append((f"module_name:'{pattern}'", entry))
-        if module_type is not None:
-            for cls in module_type.__mro__:
-                key = qualified_name(cls)
-                if key in self.module_type:
-                    candidates.append((f"module_type:{key}", self.module_type[key]))
-        if op_kind in self.op_kind:
-            candidates.append((f"op_kind:{op_kind}", self.op_kind[op_kind]))
-        candidates.append(("global", OpConfig(weight=self.weight, activation=self.activation)))
-
-        weight, weight_source = self._pick(candidates, "weight")
-        activation, activation_source = self._pick(candidates, "activation")
-        if weight_source == activation_source:
-            source = weight_source
-        else:
-            source = f"weight from {weight_source}; activation from {activation_source}"
-        return ResolvedSpecs(weight, activation, source)
-
-    @staticmethod
-    def _pick(
-        candidates: list[tuple[str, OpConfig | None]], field: Literal["weight", "activation"]
-    ) -> tuple[QuantizationSpec | None, str]:
-        for source, entry in candidates:
-            if entry is None:
-                return None, source
-            if entry.is_set(field):
-                return getattr(entry, field), source
-        raise AssertionError("the global candidate always sets both fields")  # pragma: no cover
+        return resolve_specs(self, op_kind, module_name, module_type)
 
     @public_api
     def unused_module_name_patterns(self, names: Iterable[str]) -> list[str]:
@@ -532,8 +284,8 @@ class QuantizerConfig(BaseModel):
         with such a ``module_type`` key does not survive the round trip.
         """
         return {
-            "weight": _spec_to_dict(self.weight),
-            "activation": _spec_to_dict(self.activation),
+            "weight": spec_to_dict(self.weight),
+            "activation": spec_to_dict(self.activation),
             "op_kind": self._level_to_dict(self.op_kind),
             "module_type": self._level_to_dict(self.module_type),
             "module_name": self._level_to_dict(self.module_name),
@@ -558,8 +310,8 @@ class QuantizerConfig(BaseModel):
                 unimportable module type or invalid spec.
             TypeError: A value of the wrong type.
         """
-        data = _require_mapping(data, "QuantizerConfig")
-        _check_keys(data, cls.model_fields, "QuantizerConfig")
+        data = require_mapping(data, "QuantizerConfig")
+        check_keys(data, cls.model_fields, "QuantizerConfig")
         return cls.model_validate(dict(data))
 
     @classmethod

@@ -1,15 +1,15 @@
 """Fingerprints of what ``prepare`` builds and ``export_onnx`` writes for every zoo model x preset.
 
 A fingerprint is the list of ``(quantizer module name, spec dict)`` of the prepared model (derived int32 bias
-quantizers listed with the spec ``"derived"``) and the sha256 of the exported ``model.graph.SerializeToString()``
-(plus, for diagnosis, the prepared graph's code and the sha256 of the converted model's eager output).
-``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with main's code without the per-edge
-quantizer ownership (main at 5409370, re-recorded there after merging it; first recorded at b977fa6; spec dicts
-stored once under ``"specs"`` and named by :func:`spec_key`);
-``test_zoo_fingerprints.py`` (slow) checks the current code still builds exactly the same quantizers and writes
-exactly the same ONNX graphs.
+quantizers listed with the spec ``"derived"``), the sha256 of the exported file's bytes and of its
+``model.graph.SerializeToString()`` (the graph alone, for diagnosis: a file-only change is in the model-level
+metadata, e.g. the rewrite report) and the sha256 of the converted model's eager output.
+``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with main at 774af03 (spec dicts stored
+once under ``"specs"`` and named by :func:`spec_key`); ``test_zoo_fingerprints.py`` checks the current code still
+builds exactly the same quantizers and writes exactly the same ONNX files.
 
-Run ``python -m tests.fingerprints.zoo_fingerprints OUT.json`` to record the current code's fingerprints.
+Run ``python -m tests.fingerprints.zoo_fingerprints OUT.json`` to record the current code's fingerprints in the
+layout of ``zoo_fingerprints.json``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from coreai_opt.onnx import export_onnx
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 from tests.zoo import PRESETS, ZOO, build, preset_config
 
-__all__ = ["CASES", "fingerprint", "record", "spec_key"]
+__all__ = ["CASES", "fingerprint", "record", "spec_key", "to_json"]
 
 JSON_PATH = Path(__file__).with_name("zoo_fingerprints.json")
 TRANSFORMERS = tuple(name for name, entry in ZOO.items() if not entry.is_cnn)
@@ -70,7 +70,7 @@ def _quantizers(prepared: nn.Module) -> list[list[Any]]:
 
 
 def fingerprint(name: str, preset: str, smooth: str, directory: Path) -> dict[str, Any]:
-    """Prepare, calibrate, convert and export one case; return its quantizers and ONNX graph sha256."""
+    """Prepare, calibrate, convert and export one case; return its quantizers and the sha256s of its export."""
     model, example, batches = build(name)
     capture = "auto"
     if smooth != "none":
@@ -88,11 +88,12 @@ def fingerprint(name: str, preset: str, smooth: str, directory: Path) -> dict[st
         coreai_opt.calibrate(prepared, batches, progress=False)
         converted = coreai_opt.convert(prepared)
         path = export_onnx(converted, example, directory / f"{name}_{preset}_{smooth}.onnx")
-    graph = onnx.load(str(path)).graph.SerializeToString()
+    data = path.read_bytes()
+    graph = onnx.load_from_string(data).graph.SerializeToString()
     with torch.no_grad():
         output = converted(*example)
-    return {"quantizers": quantizers, "onnx_graph_sha256": hashlib.sha256(graph).hexdigest(),
-            "prepared_code": prepared.code,
+    return {"quantizers": quantizers, "onnx_file_sha256": hashlib.sha256(data).hexdigest(),
+            "onnx_graph_sha256": hashlib.sha256(graph).hexdigest(), "prepared_code": prepared.code,
             "eager_output_sha256": hashlib.sha256(output.detach().contiguous().numpy().tobytes()).hexdigest()}
 
 
@@ -104,9 +105,27 @@ def record() -> Iterator[tuple[str, dict[str, Any]]]:
             yield f"{name}/{preset}/{smooth}", fingerprint(name, preset, smooth, Path(tmp))
 
 
+#: What the JSON keeps of a fingerprint, besides its quantizers (``prepared_code`` is for diagnosis only).
+RECORDED_FIELDS = ("onnx_file_sha256", "onnx_graph_sha256", "eager_output_sha256")
+
+
+def to_json(fingerprints: dict[str, dict[str, Any]]) -> str:
+    """The layout of ``zoo_fingerprints.json``: each spec dict once under ``"specs"``, one line per spec and case."""
+    specs = {spec_key(spec): spec for value in fingerprints.values() for _, spec in value["quantizers"]
+             if spec != "derived"}
+    cases = {key: {"quantizers": [[name, spec_key(spec)] for name, spec in value["quantizers"]],
+                   **{field: value[field] for field in RECORDED_FIELDS if field in value}}
+             for key, value in fingerprints.items()}
+
+    def block(entries: dict[str, Any]) -> str:
+        return ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(entries.items()))
+
+    return f'{{\n "specs": {{\n{block(specs)}\n }},\n "cases": {{\n{block(cases)}\n }}\n}}\n'
+
+
 if __name__ == "__main__":
-    out: dict[str, Any] = {}
+    recorded: dict[str, dict[str, Any]] = {}
     for key, value in record():
-        out[key] = value
-        print(key, value.get("onnx_graph_sha256", "-")[:12], len(value["quantizers"]), flush=True)
-        Path(sys.argv[1]).write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+        recorded[key] = value
+        print(key, value.get("onnx_file_sha256", "-")[:12], len(value["quantizers"]), flush=True)
+        Path(sys.argv[1]).write_text(to_json(recorded))

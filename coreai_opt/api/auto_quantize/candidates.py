@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.config.op_config import OpConfig
 from coreai_opt.config.presets import ACTIVATION_RANGES
-from coreai_opt.config.quantizer_config import OpConfig
 from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.spec import QuantizationSpec
 from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec

@@ -22,7 +22,8 @@ from coreai_opt.quantization.spec.granularity import (
     QuantizationScheme,
     granularity_from_dict,
 )
-from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram
+from coreai_opt.quantization.spec.histogram import RowHistogram
+from coreai_opt.quantization.spec.histogram_range_calculator import HistogramRangeCalculatorBase
 from coreai_opt.quantization.spec.mse_range_calculator import MSERangeCalculator
 from coreai_opt.quantization.spec.percentile_range_calculator import PercentileRangeCalculator
 from coreai_opt.quantization.spec.qparams_calculator import (

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from coreai_opt.quantization.spec.dtypes import QuantDtype
 from coreai_opt.quantization.spec.granularity import Granularity, QuantizationScheme
-from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram, target_format
+from coreai_opt.quantization.spec.histogram import RowHistogram
+from coreai_opt.quantization.spec.histogram_range_calculator import HistogramRangeCalculatorBase, target_format
 from coreai_opt.quantization.spec.qparams_math import compute_qparams, quant_range
 from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
 

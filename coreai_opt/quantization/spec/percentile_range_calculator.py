@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from coreai_opt.quantization.spec.granularity import Granularity
-from coreai_opt.quantization.spec.histogram import HistogramRangeCalculatorBase, RowHistogram
+from coreai_opt.quantization.spec.histogram import RowHistogram
+from coreai_opt.quantization.spec.histogram_range_calculator import HistogramRangeCalculatorBase
 from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
 
 if TYPE_CHECKING:
