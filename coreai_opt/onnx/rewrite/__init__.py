@@ -19,6 +19,8 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 11. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
 12. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
 13. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+14. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+    ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
 unchanged exported model already changes its bytes (measured on a 3-linear model: it drops the ``value_info`` of 10
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 
 import onnx
 
+from coreai_opt.onnx.rewrite.clip_16bit_activations import ClipSixteenBitActivations
 from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.drop_zero_biases import DropZeroBiases
 from coreai_opt.onnx.rewrite.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
@@ -68,6 +71,7 @@ POST_PASSES: tuple[Rule, ...] = (
     DropZeroBiases(),
     GuardFloat8Activations(),
     GuardFourBitActivations(),
+    ClipSixteenBitActivations(),
 )
 
 
