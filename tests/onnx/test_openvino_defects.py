@@ -128,7 +128,8 @@ def test_max_min_before_a_per_channel_16_bit_quantize_bounds_openvino_to_half_a_
     x = (np.random.default_rng(1).standard_normal((2, 3, 8, 8)) * 10).astype(np.float32)
     ort_plain, ov_plain = _both(conv_16bit_per_channel_output(scale, zero_point), {"x": x}, tmp_path / "plain.onnx")
     steps = scale.reshape(1, -1, 1, 1)
-    assert (np.abs(ov_plain - ort_plain) / steps).max() > 1e4  # stripped there too (measured 1.6e5 steps)
+    # stripped there too: measured 1.4e4-2.9e5 steps per channel
+    assert (np.abs(ov_plain - ort_plain) / steps).max() > 1e4
     exported = conv_16bit_per_channel_output(scale, zero_point)
     assert apply(exported).counts["clip_16bit_activations"] == 1
     ort_y, ov_y = _both(exported, {"x": x}, tmp_path / "exported.onnx")
