@@ -54,7 +54,7 @@ _BOUNDING_OPS = frozenset({"Clip", "Relu", "Max", "Min"})
 _MAX_BOUND_DEPTH = 4
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Site(Match):
     low: np.ndarray
     high: np.ndarray
@@ -120,7 +120,7 @@ def _within(inner: tuple[np.ndarray, np.ndarray], low: np.ndarray, high: np.ndar
 def _broadcastable(view: QdqView, graph: OnnxGraph, values: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...] | str:
     """Per-axis / blocked bounds reshaped to broadcast against the quantized value, or why they cannot be."""
     shape = graph.shape(view.data)
-    if shape is None:
+    if not shape:
         return "per-axis / blocked 16-bit quantizer of a value of unknown rank: no bounds to broadcast"
     axis = view.axis % len(shape)
     if view.block_size == 0:
