@@ -111,3 +111,29 @@ def conv_16bit_output(np_dtype: type, zero_point: int, clip: bool) -> onnx.Model
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 8, 8])
     graph = helper.make_graph(nodes, "conv_16bit", [x], [y], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def conv_16bit_per_channel_output(scale: np.ndarray, zero_point: np.ndarray) -> onnx.ModelProto:
+    """``Conv → QuantizeLinear(uint16, per output channel, axis 1) → DequantizeLinear`` on ``x: [2, 3, 8, 8]``."""
+    weight = (np.random.default_rng(0).standard_normal((scale.size, 3, 3, 3)) * 0.1).astype(np.float32)
+    inits = [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(scale, "s"),
+             numpy_helper.from_array(zero_point, "z")]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("QuantizeLinear", ["c", "s", "z"], ["q"], axis=1),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=1)]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, scale.size, 8, 8])
+    graph = helper.make_graph(nodes, "conv_16bit_per_channel", [x], [y], inits,
+                              value_info=[helper.make_tensor_value_info("c", TensorProto.FLOAT,
+                                                                        [2, scale.size, 8, 8])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def lone_16bit_qdq() -> onnx.ModelProto:
+    """``x → QuantizeLinear(uint16, s=1e-4, zp 0) → DequantizeLinear`` on ``x: [2, 3, 8, 8]`` (a graph input)."""
+    inits = _scalar_qparams("a", 1e-4, 0, np.uint16)
+    shape = [2, 3, 8, 8]
+    graph = helper.make_graph(_qdq("x", "a", "y"), "lone_16bit",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])

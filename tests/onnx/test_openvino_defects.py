@@ -1,4 +1,4 @@
-"""Three OpenVINO 2026.4 CPU defects on our QDQ files, reproduced on minimal graphs, and the rewrites that fix them.
+"""Three OpenVINO 2026.4 CPU defects on our QDQ files, reproduced on minimal graphs, and the export rules that fix them.
 
 Each defect test pins OpenVINO's wrong behaviour (when a release fixes it, the test fails and the rewrite can go);
 each rewrite test proves OpenVINO then agrees with onnxruntime while onnxruntime's result stays bit-identical.
@@ -17,7 +17,14 @@ from coreai_opt.onnx.rewrite import apply
 from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
 from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
 from coreai_opt.onnx.runtimes import open_runner
-from tests.onnx.openvino_graphs import MEAN_OUT, conv_16bit_output, embedding_add, sequence_mean
+from tests.onnx.openvino_graphs import (
+    MEAN_OUT,
+    conv_16bit_output,
+    conv_16bit_per_channel_output,
+    embedding_add,
+    lone_16bit_qdq,
+    sequence_mean,
+)
 
 pytest.importorskip("openvino")
 
@@ -104,7 +111,41 @@ def test_clip_before_16_bit_quantize_bounds_openvino_to_half_a_step_and_keeps_on
 ) -> None:
     x = (np.random.default_rng(1).standard_normal((2, 3, 8, 8)) * 10).astype(np.float32)
     ort_plain, _ = _both(conv_16bit_output(dtype, zero_point, clip=False), {"x": x}, tmp_path / "plain.onnx")
-    ort_y, ov_y = _both(conv_16bit_output(dtype, zero_point, clip=True), {"x": x}, tmp_path / "clip.onnx")
+    exported = conv_16bit_output(dtype, zero_point, clip=False)
+    assert apply(exported).counts["clip_16bit_activations"] == 1  # the export's post-passes insert the Clip
+    by_hand = conv_16bit_output(dtype, zero_point, clip=True)
+    assert [n.op_type for n in exported.graph.node] == [n.op_type for n in by_hand.graph.node]
+    for model, name in ((by_hand, "by_hand.onnx"), (exported, "exported.onnx")):
+        ort_y, ov_y = _both(model, {"x": x}, tmp_path / name)
+        assert np.array_equal(ort_y, ort_plain)
+        # OpenVINO still skips the rounding to the 16-bit grid: at most half a step (plus float noise)
+        assert np.abs(ov_y - ort_y).max() / 1e-4 <= 0.5 + 1e-3
+
+
+def test_max_min_before_a_per_channel_16_bit_quantize_bounds_openvino_to_half_a_step(tmp_path: Path) -> None:
+    scale = np.array([1e-4, 2e-4, 5e-5, 1e-4], np.float32)
+    zero_point = np.array([0, 30000, 0, 65535], np.uint16)
+    x = (np.random.default_rng(1).standard_normal((2, 3, 8, 8)) * 10).astype(np.float32)
+    ort_plain, ov_plain = _both(conv_16bit_per_channel_output(scale, zero_point), {"x": x}, tmp_path / "plain.onnx")
+    steps = scale.reshape(1, -1, 1, 1)
+    # stripped there too: measured 1.4e4-2.9e5 steps per channel
+    assert (np.abs(ov_plain - ort_plain) / steps).max() > 1e4
+    exported = conv_16bit_per_channel_output(scale, zero_point)
+    assert apply(exported).counts["clip_16bit_activations"] == 1
+    ort_y, ov_y = _both(exported, {"x": x}, tmp_path / "exported.onnx")
     assert np.array_equal(ort_y, ort_plain)
-    # OpenVINO still skips the rounding to the 16-bit grid: at most half a step (plus float noise)
+    assert (np.abs(ov_y - ort_y) / steps).max() <= 0.5 + 1e-3
+
+
+def test_a_lone_16_bit_qdq_of_a_graph_input_compiles_in_openvino_once_clipped(tmp_path: Path) -> None:
+    x = (np.random.default_rng(1).standard_normal((2, 3, 8, 8)) * 10).astype(np.float32)
+    path = tmp_path / "lone.onnx"
+    onnx.save(lone_16bit_qdq(), str(path))
+    with pytest.raises(RuntimeError, match=r"qdq_stripping.cpp.*FQ stripping failed"):
+        open_runner(path, "openvino")
+    ort_plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    exported = lone_16bit_qdq()
+    assert apply(exported).counts["clip_16bit_activations"] == 1
+    ort_y, ov_y = _both(exported, {"x": x}, tmp_path / "exported.onnx")
+    assert np.array_equal(ort_y, ort_plain)
     assert np.abs(ov_y - ort_y).max() / 1e-4 <= 0.5 + 1e-3

@@ -21,6 +21,8 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 12. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
 13. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
 14. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+15. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+    ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
 unchanged exported model already changes its bytes (measured on a 3-linear model: it drops the ``value_info`` of 10
@@ -37,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from coreai_opt.onnx.rewrite.clip_16bit_activations import ClipSixteenBitActivations
 from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.drop_zero_biases import DropZeroBiases
 from coreai_opt.onnx.rewrite.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
@@ -74,6 +77,7 @@ POST_PASSES: tuple[Rule, ...] = (
     DropZeroBiases(),
     GuardFloat8Activations(),
     GuardFourBitActivations(),
+    ClipSixteenBitActivations(),
 )
 
 
