@@ -97,6 +97,9 @@ def linears(width: int) -> tuple[nn.Module, tuple[torch.Tensor, ...], list[tuple
 
 def decoder() -> tuple[nn.Module, tuple[torch.Tensor, ...], list[tuple[torch.Tensor, ...]]]:
     """A random-init Llama-style decoder of 1.1 B parameters (TinyLlama's shape) from a transformers config."""
+    from benchmarks.torchvision_ops import declare_torchvision_ops
+
+    declare_torchvision_ops()  # the installed torchvision's C++ ops (transformers imports it)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -143,12 +146,15 @@ def child(case: str, preset: str, work_dir: Path) -> dict[str, Any]:
                                                         external_data=True), report)
     else:
         config = co.QuantizerConfig.presets.get(preset)()
-        capture = "export" if case == "decoder" else "auto"
-        prepared = sampler.run("prepare", lambda: co.prepare(model, config, example, capture=capture), report)
+        # transformers' masking branches on the batch size: the decoder is captured and exported at a fixed shape
+        fixed = case == "decoder"
+        shapes = {"input_ids": None} if fixed else None
+        prepared = sampler.run("prepare", lambda: co.prepare(model, config, example, capture="export" if fixed else
+                                                             "auto", dynamic_shapes=shapes), report)
         sampler.run("calibrate", lambda: co.calibrate(prepared, batches, progress=False), report)
         converted = sampler.run("convert", lambda: co.convert(prepared), report)
         del prepared
-        sampler.run("export", lambda: co.export_onnx(converted, example, path), report)
+        sampler.run("export", lambda: co.export_onnx(converted, example, path, dynamic_batch=not fixed), report)
         result = sampler.run("verify", lambda: co.verify_onnx(converted, path, batches[:1]), report)
         report["ok"] = bool(result.ok)
         report["integer"] = dict(result.fusion.integer_compute)

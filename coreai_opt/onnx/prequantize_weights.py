@@ -33,6 +33,7 @@ from coreai_opt.errors import CoreaiOptRuntimeError
 from coreai_opt.onnx.rewrite.constant_folder import ConstantFolder, evaluate_node
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import axis_and_block
+from coreai_opt.onnx.rewrite.row_chunks import qparam_rows, row_ranges
 
 __all__ = ["CHUNK_BYTES", "DEFERRED_LOCATION", "PREQUANTIZE_MIN_BYTES", "check_no_deferred_weights",
            "defer_large_weights", "prequantize_initializers", "quantize_rows"]
@@ -44,15 +45,6 @@ CHUNK_BYTES = 4 << 20
 #: External-data location of the placeholders that stand for deferred float weights in the serialised model.
 DEFERRED_LOCATION = "coreai_opt-deferred-float-weight"
 _STANDARD = ("", "ai.onnx")
-
-
-def _row_slice(param: np.ndarray | None, axis: int, block_size: int, start: int, stop: int) -> np.ndarray | None:
-    """The part of a scale / zero point that applies to weight rows ``start:stop``."""
-    if param is None or (param.size == 1 and param.ndim <= 1):
-        return param  # per tensor
-    if block_size > 0:  # blocked qparams have the weight's rank; along the block axis one entry per block
-        return param[start // block_size: -(-stop // block_size)] if axis == 0 else param[start:stop]
-    return param[start:stop] if axis == 0 else param  # per channel: only a channel axis 0 runs along the rows
 
 
 def quantize_rows(node: onnx.NodeProto, weight: np.ndarray, scale: np.ndarray,
@@ -71,22 +63,17 @@ def quantize_rows(node: onnx.NodeProto, weight: np.ndarray, scale: np.ndarray,
     """
     axis, block_size = axis_and_block(node)
     axis %= weight.ndim
-    rows = weight.shape[0]
-    step = max(1, CHUNK_BYTES // max(1, weight[:1].nbytes))
-    if block_size > 0 and axis == 0:
-        step = max(block_size, step - step % block_size)
     out: np.ndarray | None = None
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        inputs = [weight[start:stop], _row_slice(scale, axis, block_size, start, stop)]
+    for rows in row_ranges(weight.shape, axis, block_size, CHUNK_BYTES):
+        inputs = [weight[rows], qparam_rows(scale, axis, block_size, rows)]
         if zero_point is not None:
-            inputs.append(_row_slice(zero_point, axis, block_size, start, stop))
+            inputs.append(qparam_rows(zero_point, axis, block_size, rows))
         chunk = evaluate_node(node, inputs)
         if not isinstance(chunk, np.ndarray):
             return None
         if out is None:
             out = np.empty(weight.shape, dtype=chunk.dtype)
-        out[start:stop] = chunk
+        out[rows] = chunk
     return out
 
 

@@ -34,6 +34,7 @@ from onnx import numpy_helper
 
 from coreai_opt.error_boundary import public_api
 from coreai_opt.errors import CoreaiOptValueError
+from coreai_opt.onnx.stream_model import write_model
 
 __all__ = [
     "SINGLE_FILE_LIMIT_BYTES",
@@ -277,14 +278,14 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
             temp_data = _write_temp(data_path, lambda out: _externalize(model, "", out))  # streamed: no 2nd copy
             temps.append(temp_data)
             _set_location(model, temp_data.name)
-            temp_model = _write_temp(path, model.SerializeToString(deterministic=True))
+            temp_model = _write_temp(path, lambda out: write_model(model, out))
             temps.append(temp_model)
             onnx.checker.check_model(str(temp_model))
             _set_location(model, data_path.name)
             temp_model.write_bytes(model.SerializeToString(deterministic=True))
             os.replace(temp_data, data_path)
-        else:  # checked from the temporary file: the serialised bytes are freed before the checker parses them
-            temp_model = _write_temp(path, model.SerializeToString(deterministic=True))
+        else:  # streamed (one initializer's encoding at a time), then checked from the file
+            temp_model = _write_temp(path, lambda out: write_model(model, out))
             temps.append(temp_model)
             onnx.checker.check_model(str(temp_model))
         os.replace(temp_model, path)

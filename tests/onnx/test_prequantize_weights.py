@@ -141,3 +141,22 @@ def test_a_prequantized_file_holds_no_placeholder_and_real_int8_weights(tmp_path
     assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
     weight = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "3.weight_quantized"))
     assert weight.dtype == np.int8 and weight.shape == (64, 576) and int(np.abs(weight).max()) >= 100
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w8a8_sym"])  # narrow-range clamp moved into the integers, and none
+def test_the_fold_uses_up_every_precomputed_weight_and_stores_each_once(preset, monkeypatch):
+    from coreai_opt.onnx import rewrite
+
+    converted, x = _converted(preset)
+    monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 4096)
+    proto, quantized = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
+    assert len(quantized) == 1
+    report = rewrite.apply(proto, rewrite.POST_PASSES, precomputed=quantized)
+    assert quantized == {}  # freed during the rewrite, not held to its end
+    stored = [t for t in proto.graph.initializer if t.name == "3.weight_quantized"]
+    assert len(stored) == 1 and stored[0].data_type == onnx.TensorProto.INT8
+    values = numpy_helper.to_array(stored[0])
+    assert values.shape == (64, 576) and values.min() >= -127  # both presets use the narrow int8 weight grid
+    assert report.counts["fold_quantized_weights"] >= 3
+    assert not [n for n in proto.graph.node if n.op_type in ("Max", "Min", "Clip", "QuantizeLinear")
+                and n.input[0].startswith("3.weight")]

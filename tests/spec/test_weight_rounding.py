@@ -200,3 +200,25 @@ def test_input_statistics_hessian_is_two_xtx_over_n_and_skips_non_finite_rows() 
     assert [t.tolist() for t in stats.compute_range()] == [[1.0, -1.0], [3.0, 2.0]]
     stats.reset()
     assert not stats.has_statistics and stats.xtx.numel() == 0
+
+
+@pytest.mark.parametrize("qscheme", ["symmetric", "asymmetric"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mse_search_in_row_chunks_gives_the_whole_tensor_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                                           qscheme: str, weighted: bool) -> None:
+    from coreai_opt.quantization.spec import rounding_mse
+
+    torch.manual_seed(3)
+    rows = torch.randn(203, 32) * torch.rand(203, 1) * 3
+    rows[::7] *= 50  # rows with outliers take more refinement rounds than the rest
+    importance = torch.rand(203, 32) if weighted else None
+    spec = _spec("mse", qscheme, PerBlock(1, 32))
+    whole = rounding_mse.search_rows(rows, importance, spec, MSERounding.grid, MSERounding.refinements)
+    monkeypatch.setattr(rounding_mse, "SEARCH_CHUNK_ELEMENTS", 5 * 32)  # 41 chunks of 5 rows (the last of 3)
+    calls: list[int] = []
+    search_chunk = rounding_mse._search_chunk
+    monkeypatch.setattr(rounding_mse, "_search_chunk", lambda r, *a: calls.append(r.shape[0]) or search_chunk(r, *a))
+    chunked = rounding_mse.search_rows(rows, importance, spec, MSERounding.grid, MSERounding.refinements)
+    assert calls == [5] * 40 + [3]
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)

@@ -33,7 +33,7 @@ byte-identical to what it was, and most of these rules (the ORT-exact folder, th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import MutableMapping, Sequence
 
 import numpy as np
 import onnx
@@ -82,7 +82,7 @@ POST_PASSES: tuple[Rule, ...] = (
 
 
 def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES,
-          precomputed: Mapping[str, np.ndarray] | None = None) -> RewriteReport:
+          precomputed: MutableMapping[str, np.ndarray] | None = None) -> RewriteReport:
     """Apply ``rules`` in order to the main graph of ``model``, in place.
 
     Args:

@@ -86,10 +86,13 @@ class FoldQuantizedWeights(Rule):
     def rewrite(self, match: _Site, graph: OnnxGraph) -> None:
         """Add the folded initializers, rewire every ``DequantizeLinear`` reading them, move the clamp."""
         node = match.node
+        clamp_stored = False
         for index, name, value in match.folds:
             if index == 0:
                 root = _root_initializer(graph, name)
                 base = f"{root}_quantized" if graph.initializer(root) is not None else name
+                if match.clamp is not None and graph.only_reader(name) is node:  # store the clamped integers
+                    value, clamp_stored = match.clamp.stored, True  # at once (not a second large initializer)
             else:  # named after the (folded) data input it scales: "conv.bias_quantized_scale"
                 base = f"{node.input[0]}_{'scale' if index == 1 else 'zero_point'}"
             folded = graph.add_initializer(graph.unique_name(base), value)
@@ -98,8 +101,11 @@ class FoldQuantizedWeights(Rule):
                     for slot, used in enumerate(reader.input):
                         if used == name:
                             graph.set_input(reader, slot, folded)
+            if index == 0:
+                graph.precomputed.pop(name, None)  # stored now: the large precomputed integers are not needed
         if match.clamp is not None:
-            graph.set_initializer(node.input[0], match.clamp.stored)
+            if not clamp_stored:
+                graph.set_initializer(node.input[0], match.clamp.stored)
             for clamp_node in match.clamp.chain:
                 graph.remove(clamp_node)
             graph.set_output(node, 0, match.clamp.chain[-1].output[0])

@@ -15,7 +15,7 @@ writes initializer ``value_info`` in another order), which would break the byte-
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, MutableMapping
 
 import numpy as np
 import onnx
@@ -48,15 +48,17 @@ class OnnxGraph:
         model: The model whose main graph is rewritten in place (functions and subgraphs are not rewritten).
         precomputed: Values of some of its computed constants, already evaluated outside the graph (the
             quantized large weights of :mod:`coreai_opt.onnx.prequantize_weights`, keyed by the name of the
-            ``QuantizeLinear`` output); the constant folder takes them instead of evaluating their nodes.
+            ``QuantizeLinear`` output); the constant folder takes them instead of evaluating their nodes. The
+            mapping is used, not copied: a rule removes an entry it has stored in the graph, so the large arrays
+            are freed as the rewrite goes.
 
     Attributes:
-        precomputed: The ``precomputed`` values.
+        precomputed: The ``precomputed`` values not used up yet.
     """
 
-    def __init__(self, model: onnx.ModelProto, precomputed: Mapping[str, np.ndarray] | None = None) -> None:
+    def __init__(self, model: onnx.ModelProto, precomputed: MutableMapping[str, np.ndarray] | None = None) -> None:
         self.proto = model.graph
-        self.precomputed: Mapping[str, np.ndarray] = precomputed or {}
+        self.precomputed: MutableMapping[str, np.ndarray] = {} if precomputed is None else precomputed
         self._nodes: list[onnx.NodeProto] = list(self.proto.node)
         self.inputs = frozenset(value.name for value in self.proto.input)
         self.outputs = frozenset(value.name for value in self.proto.output)

@@ -17,6 +17,7 @@ import onnx
 from coreai_opt.onnx.rewrite.constant_folder import INTEGER, ConstantFolder, dequantize, expand_qparam
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import axis_and_block
+from coreai_opt.onnx.rewrite.row_chunks import broadcast_rows, qparam_rows, row_ranges
 
 __all__ = ["ClampFold", "plan_clamp_fold"]
 
@@ -71,6 +72,24 @@ def plan_clamp_fold(node: onnx.NodeProto, graph: OnnxGraph, folder: ConstantFold
     if found is None:
         return None
     chain, low, high = found
+    axis, block_size = axis_and_block(node)
+    if q.ndim == 0 or any(bound is not None and bound.ndim > q.ndim for bound in (low, high)):
+        return _clamp_whole(node, chain, q, scale, zero_point, low, high)
+    axis %= q.ndim
+    stored = np.empty_like(q)
+    for rows in row_ranges(q.shape, axis, block_size):  # row chunks: bounded temporaries, the same integers
+        part = _clamp_whole(node, chain, q[rows], qparam_rows(scale, axis, block_size, rows),
+                            qparam_rows(zero_point, axis, block_size, rows), broadcast_rows(low, q.ndim, rows),
+                            broadcast_rows(high, q.ndim, rows))
+        if part is None:
+            return None
+        stored[rows] = part.stored
+    return ClampFold(tuple(chain), stored)
+
+
+def _clamp_whole(node: onnx.NodeProto, chain: list[onnx.NodeProto], q: np.ndarray, scale: np.ndarray,
+                 zero_point: np.ndarray | None, low: np.ndarray | None, high: np.ndarray | None) -> ClampFold | None:
+    """The clamp fold of ``q`` in one piece: ``clip(round(clamp(dq(q)) / s) + z)``, None unless it is exact."""
     clamped = dequantize(node, q, scale, zero_point)
     if low is not None:
         clamped = np.maximum(clamped, low.astype(np.float32))

@@ -17,7 +17,8 @@ error ``‖X Wᵀ − X Ŵᵀ‖²`` stays small:
 Scales follow the spec's granularity: per-block (axis 1) qparams of a block are computed, by the round-to-nearest
 rule of the spec (full signed range for symmetric), from the *updated* weights when the block's first column is
 reached; with activation order, per-channel or per-tensor granularity they come from the original weight
-(static groups, so that a permutation never splits a block). Memory: ``W``, ``H`` and ``U`` of this one layer.
+(static groups, so that a permutation never splits a block). Memory: ``W``, ``H`` and ``U`` of this one layer
+(``U`` computed in place in one float64 matrix; ``H`` released once ``U`` exists).
 Deterministic (no random numbers; fixed-order float arithmetic).
 
 Weights without a Hessian (no linear input edge: convolutions, embeddings) are rounded by the data-free clip
@@ -47,15 +48,19 @@ def inverse_hessian_factor(hessian: Tensor, damping: float) -> Tensor:
     Raises:
         ValueError: the damped Hessian is not positive definite (names the fix).
     """
-    h = hessian.double().clone()
+    h = hessian.to(torch.float64, copy=True)
     diag = h.diagonal()
     dead = diag == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(damping * float(h.diagonal().mean()))
-    factor, info = torch.linalg.cholesky_ex(h)
+    # In place (LAPACK's own layout): one d x d float64 matrix at a time instead of four; the same values.
+    info = torch.empty((), dtype=torch.int32, device=h.device)
+    torch.linalg.cholesky_ex(h, out=(h, info))
     if int(info) != 0:
         raise ValueError(f"the damped Hessian is not positive definite (damping={damping}); increase damping")
-    return torch.linalg.cholesky(torch.cholesky_inverse(factor), upper=True)
+    torch.cholesky_inverse(h, out=h)
+    torch.linalg.cholesky(h, upper=True, out=h)
+    return h
 
 
 @WEIGHT_ROUNDING.register("gptq")
@@ -101,6 +106,7 @@ class GPTQRounding(MSERounding):
         if perm is not None:
             w, hessian = w[:, perm], hessian[perm][:, perm]
         factor = inverse_hessian_factor(hessian, self.damping).float()
+        del hessian  # d x d: only the factor is needed from here on (the diagonal is kept)
         group_of = torch.arange(n, device=w.device) // block
         if perm is not None:
             group_of = group_of[perm]

@@ -45,10 +45,31 @@ def importance_rows(weight: Tensor, granularity: Granularity, statistics: InputS
     return granularity.to_rows(moments.reshape(1, -1).expand_as(weight).contiguous())
 
 
+#: Elements of the rows view searched at a time (the search's temporaries are several times this, not the weight's).
+SEARCH_CHUNK_ELEMENTS = 1 << 22
+
+
 def search_rows(
     rows: Tensor, importance: Tensor | None, spec: QuantizationSpec, grid: tuple[float, ...], refinements: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Best ``(q, scale, zero_point)`` per row over the clip grid, then least-squares scale refinements."""
+    """Best ``(q, scale, zero_point)`` per row over the clip grid, then least-squares scale refinements.
+
+    Rows are searched independently, in chunks of about :data:`SEARCH_CHUNK_ELEMENTS` elements: a chunk stops
+    refining when none of *its* rows improved, and a row that did not improve in a round has the same state in the
+    next one, so every row gets exactly the result of the whole-tensor search.
+    """
+    step = max(1, SEARCH_CHUNK_ELEMENTS // max(1, rows.shape[1]))
+    if rows.shape[0] <= step:
+        return _search_chunk(rows, importance, spec, grid, refinements)
+    parts = [_search_chunk(rows[i:i + step], None if importance is None else importance[i:i + step], spec, grid,
+                           refinements) for i in range(0, rows.shape[0], step)]
+    return tuple(torch.cat([part[k] for part in parts]) for k in range(3))  # type: ignore[return-value]
+
+
+def _search_chunk(
+    rows: Tensor, importance: Tensor | None, spec: QuantizationSpec, grid: tuple[float, ...], refinements: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`search_rows` on one chunk of rows."""
     qmin, qmax = int(spec.quant_min), int(spec.quant_max)
     best_err = best_q = best_s = best_z = None
     for alpha in grid:
