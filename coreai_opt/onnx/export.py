@@ -12,16 +12,18 @@ post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per
 3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul);
 4. ``write_matmul_nbits``: weight-only linears as ``MatMulNBits`` with the accuracy level their weight spec's
     ``matmul_compute`` names (:mod:`coreai_opt.onnx.rewrite.write_matmul_nbits`);
-5. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
-6. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
-7. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
-8. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
-9. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
-10. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
-11. ``drop_zero_biases``: drop all-zero conv / gemm biases;
-12. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
-13. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
+5. ``gather_block_quantized_rows``: per-block embedding tables read row by row (``GatherBlockQuantized``);
+6. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
+7. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
+8. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
+9. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
+10. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
+11. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
+12. ``drop_zero_biases``: drop all-zero conv / gemm biases;
+13. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
+14. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
     kernels it has no 4-bit form of;
+15. ``clip_16bit_activations``: an explicit Clip before every 16-bit activation Q (OpenVINO drops their clamp);
 
 -> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
 (:mod:`coreai_opt.onnx.rewrite.report`) -> keep only the ``namespace`` entry of the exporter's per-node debug
