@@ -1,8 +1,9 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
-``zoo_fingerprints.json`` was recorded with main at 774af03, before issue 16's file split (the earlier records, at
-b977fa6 and 5409370, pinned the per-edge ownership refactor; exports have changed on purpose since then:
-MatMulNBits for weight-only linears, the OpenVINO rules, dynamic axes, views captured as reshapes). A case
+``zoo_fingerprints.json`` was re-recorded with main at ad5fa22, after exports changed on purpose: the presets'
+narrowed int8 weight grid ``[-127, 127]``, the ``value_info`` of folded-away values dropped, and two new rules
+(``gather_block_quantized_rows``, ``clip_16bit_activations``). The record before it (774af03) proved issue 16's
+file split byte-identical on all 68 cases; the earlier ones (b977fa6, 5409370) the per-edge ownership refactor. A case
 compares the sha256 of the whole exported file, so the model-level metadata (the rewrite report) and every node's
 ``namespace`` are pinned as well as the graph. Each case prepares, calibrates, converts and exports (6-12 s each
 at a load of 2-4 on the shared 2-core machine, up to 90 s at a load of 8), so the whole matrix of 68 cases runs

@@ -4,7 +4,7 @@ A fingerprint is the list of ``(quantizer module name, spec dict)`` of the prepa
 quantizers listed with the spec ``"derived"``), the sha256 of the exported file's bytes and of its
 ``model.graph.SerializeToString()`` (the graph alone, for diagnosis: a file-only change is in the model-level
 metadata, e.g. the rewrite report) and the sha256 of the converted model's eager output.
-``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with main at 774af03 (spec dicts stored
+``tests/fingerprints/zoo_fingerprints.json`` holds the values recorded with main at ad5fa22 (spec dicts stored
 once under ``"specs"`` and named by :func:`spec_key`); ``test_zoo_fingerprints.py`` checks the current code still
 builds exactly the same quantizers and writes exactly the same ONNX files.
 
