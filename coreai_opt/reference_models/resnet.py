@@ -8,6 +8,13 @@ from torch import Tensor, nn
 __all__ = ["BasicBlock", "Bottleneck", "ResNetStyle", "resnet18_style", "resnet50_style"]
 
 
+def _downsample(in_ch: int, out_ch: int, stride: int) -> nn.Module | None:
+    """The shortcut's 1x1 conv + BatchNorm where the block changes the shape, else None (identity)."""
+    if stride == 1 and in_ch == out_ch:
+        return None
+    return nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride, bias=False), nn.BatchNorm2d(out_ch))
+
+
 class BasicBlock(nn.Module):
     """ResNet basic block: conv-bn-relu, conv-bn, residual add, relu."""
 
@@ -20,11 +27,7 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(out_ch, out_ch, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_ch)
-        self.downsample: nn.Module | None = None
-        if stride != 1 or in_ch != out_ch:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, 1, stride, bias=False), nn.BatchNorm2d(out_ch)
-            )
+        self.downsample = _downsample(in_ch, out_ch, stride)
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -48,11 +51,7 @@ class Bottleneck(nn.Module):
         self.conv3 = nn.Conv2d(mid_ch, out_ch, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(out_ch)
         self.relu = nn.ReLU(inplace=True)
-        self.downsample: nn.Module | None = None
-        if stride != 1 or in_ch != out_ch:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(in_ch, out_ch, 1, stride, bias=False), nn.BatchNorm2d(out_ch)
-            )
+        self.downsample = _downsample(in_ch, out_ch, stride)
 
     def forward(self, x: Tensor) -> Tensor:
         identity = x if self.downsample is None else self.downsample(x)
