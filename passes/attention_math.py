@@ -13,7 +13,19 @@ def masked_softmax(scores: Tensor, scale: float, mask: Tensor | None = None, is_
 
     A bool ``mask`` is ``True`` where attention is allowed (else :math:`-\infty`), a float one is added;
     ``is_causal`` masks key positions after the query position (upper-left aligned). Rows whose every
-    position is :math:`-\infty` give zeros instead of NaN.
+    position is masked give zeros instead of NaN.
+
+    Which rows are fully masked is read from the mask, not from the logits: with :math:`A` the allowed positions
+    (the bool mask and the causal band) and :math:`M` the float mask,
+
+    .. math::
+
+        \mathrm{dead}_i = \neg \exists j:\; A_{ij} \wedge M_{ij} \neq -\infty
+
+    is computed in the mask's own (broadcast) shape, typically ``[batch, 1, L, S]`` rather than the scores'
+    ``[batch, heads, L, S]``, and every attention layer reading the same mask computes the same ``dead`` (one
+    subexpression, which onnxruntime evaluates once). It equals "every logit is :math:`-\infty`" whenever the
+    scores are finite, which holds for quantized scores (a dequantized integer times a finite scale).
 
     Args:
         scores: :math:`Q K^\top`, ``[..., L, S]``.
@@ -25,11 +37,20 @@ def masked_softmax(scores: Tensor, scale: float, mask: Tensor | None = None, is_
         Attention probabilities of the shape of ``scores``.
     """
     logits = scores * scale
+    allowed = None
     if is_causal:
         length, source = logits.shape[-2], logits.shape[-1]
         allowed = torch.ones(length, source, dtype=torch.bool, device=logits.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = mask if allowed is None else allowed & mask
+    if allowed is not None:
         logits = logits.masked_fill(allowed.logical_not(), float("-inf"))
-    if mask is not None:
-        logits = logits.masked_fill(mask.logical_not(), float("-inf")) if mask.dtype == torch.bool else logits + mask
+    if mask is not None and mask.dtype != torch.bool:
+        logits = logits + mask
+        finite = mask.isneginf().logical_not()
+        allowed = finite if allowed is None else allowed & finite
     probs = torch.softmax(logits, dim=-1)
-    return torch.where(logits.isneginf().all(dim=-1, keepdim=True), torch.zeros_like(probs), probs)
+    if allowed is None:
+        return probs
+    dead = allowed.any(dim=-1, keepdim=True).logical_not()
+    return torch.where(dead, 0.0, probs)

@@ -108,3 +108,50 @@ def test_addmm_is_a_linear_with_per_output_channel_weights_and_int32_bias_run_as
         assert inits[weight_dq.input[0]].dtype.name == "int8" and inits[bias_dq.input[0]].dtype.name == "int32"
     assert report.fusion.integer_compute == {"QGemm": 2} and report.fusion.num_float_compute == 0
     assert report.ok
+
+
+class _TwoMaskedAttentions(nn.Module):
+    """Two attention layers reading one bool padding mask, as a transformer encoder's layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = _Attention(), _Attention()
+
+    def forward(self, x, mask):
+        y = self.first(x, mask).transpose(1, 2).reshape(x.shape)
+        return self.second(x + y, mask)
+
+
+def _optimized_ops(path: Path, tmp_path: Path) -> Counter[str]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return _ops(tmp_path / "optimized.onnx")
+
+
+def test_fully_masked_rows_are_found_from_the_mask_once_for_every_layer_and_give_zeros(tmp_path):
+    torch.manual_seed(0)
+    model = _TwoMaskedAttentions().eval()
+    mask = _padding_mask("bool")  # row 1 has a query (2) that may attend to nothing
+    batches = [(torch.randn(B, L, E * H), mask) for _ in range(3)]
+    converted, report = _pipeline(model, batches, tmp_path / "m.onnx", "export")
+    assert report.ok, str(report)
+    ops = _optimized_ops(tmp_path / "m.onnx", tmp_path)
+    print(dict(ops))
+    # the guard reduces the [B, 1, L, S] mask once (onnxruntime merges the two layers' identical subexpressions);
+    # nothing tests the [B, H, L, S] logits for -inf any more
+    assert ops["IsInf"] == 0 and ops["ReduceMin"] == 0 and ops["ReduceMax"] == 1
+    assert ops["Where"] == 4  # per layer: the masked fill and the zeroed dead rows
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = batches[0][0]
+    (out,) = session.run(None, {i.name: t.numpy() for i, t in zip(session.get_inputs(), (x, mask), strict=True)})
+    with torch.no_grad():
+        eager = converted(x, mask)
+    assert not torch.isnan(torch.from_numpy(out)).any() and not torch.isnan(eager).any()
+    assert torch.equal(eager[1, :, 2], torch.zeros_like(eager[1, :, 2]))  # SDPA's zeros for the dead query row
+    assert not out[1, :, 2].any()
