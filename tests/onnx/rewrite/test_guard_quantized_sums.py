@@ -71,7 +71,8 @@ def test_only_8_and_4_bit_integer_dequantizers_with_a_nonzero_zero_point_are_gua
 def test_a_sum_of_a_float_tensor_or_of_a_stored_weight_is_left_alone() -> None:
     inits = [numpy_helper.from_array(np.array([1], np.int64), "axes"),
              numpy_helper.from_array(np.arange(32, dtype=np.uint8).reshape(4, 8), "w"),
-             numpy_helper.from_array(np.array(0.1, np.float32), "s"), numpy_helper.from_array(np.array(3, np.uint8), "z")]
+             numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+             numpy_helper.from_array(np.array(3, np.uint8), "z")]
     nodes = [helper.make_node("ReduceSum", ["x", "axes"], ["a"], keepdims=0),
              helper.make_node("DequantizeLinear", ["w", "s", "z"], ["wd"]),
              helper.make_node("ReduceSum", ["wd", "axes"], ["b"], keepdims=0)]
