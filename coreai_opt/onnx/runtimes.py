@@ -13,7 +13,8 @@ OpenVINO is compiled with the two settings that make it compute what the file sa
   int4 layers read uint8-fake-quantized float activations, which OpenVINO does not quantize again).
 
 Two OpenVINO numerics choices have no setting (docs/openvino.md defects 4 and 6): float32 -> float8 conversion goes
-through float16 (double rounding), and ``DynamicQuantizeLinear``'s scale is an ulp off onnxruntime's.
+through float16 (double rounding), and ``DynamicQuantizeLinear``'s scale is ``(max - min) * float32(1/255)``
+(onnxruntime divides by 255).
 """
 
 from __future__ import annotations
