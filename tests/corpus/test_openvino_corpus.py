@@ -4,6 +4,10 @@ Each (model, preset) cell must compile in OpenVINO, verify ok against the tolera
 kernels and keep top-1 agreement with eager >= 99.9 % outside near ties (issue 15). Same sizes and seeds as the
 corpus runner (benchmarks/corpus_runner.py: 4 calibration batches of 4, 2 evaluation batches of 8). Marker
 ``corpus`` (each cell builds and exports a transformer: tens of seconds).
+
+Measured (16 inputs; steps / derived bound, top-1): hf-bert w8a8 0 / 31, w8a8_sym 0 / 35, w8a16 5.27 / 29,
+w4a8 0 / 30, w8a8_dynamic 3e-8 (float bound 0.0024); hf-distilbert w8a8 2 / 29, w8a8_sym 0 / 33, w8a16 6.76 / 28,
+w4a8 1 / 28, w8a8_dynamic 1.9e-8 (0.0023); every cell compiles and agrees 100 %.
 """
 
 from __future__ import annotations
