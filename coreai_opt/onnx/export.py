@@ -19,11 +19,12 @@ post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per
 9. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
 10. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
 11. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
-12. ``drop_zero_biases``: drop all-zero conv / gemm biases;
-13. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
-14. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
+12. ``guard_quantized_sums``: ``Max(x, lowest)`` before a ReduceSum of an asymmetric 8/4-bit DQ (OpenVINO);
+13. ``drop_zero_biases``: drop all-zero conv / gemm biases;
+14. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
+15. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
     kernels it has no 4-bit form of;
-15. ``clip_16bit_activations``: an explicit Clip before every 16-bit activation Q (OpenVINO drops their clamp);
+16. ``clip_16bit_activations``: an explicit Clip before every 16-bit activation Q (OpenVINO drops their clamp);
 
 -> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
 (:mod:`coreai_opt.onnx.rewrite.report`) -> keep only the ``namespace`` entry of the exporter's per-node debug

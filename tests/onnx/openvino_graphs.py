@@ -137,3 +137,42 @@ def lone_16bit_qdq() -> onnx.ModelProto:
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+RESHAPED_SUM = (0.0028078, 116, 0.0020295, 107)  # (scale, zp) of the shape_unpack w4a8 input and mean quantizers
+
+
+def reshaped_sum(zero_point: int = RESHAPED_SUM[1], guard: bool = False) -> onnx.ModelProto:
+    """``x[batch, 16] → Q → DQ(uint8) → Reshape[-1, 8, 16] → Q → DQ → ReduceSum(axes=[1]) → Div(8) → Q → DQ``.
+
+    The shape of the zoo's ``shape_unpack`` mean pooling (``means_to_sum_and_divide`` writes the mean as a sum and
+    a division). ``guard`` puts ``Max(x, lowest float32)`` before the ``ReduceSum`` (the ``guard_quantized_sums``
+    rule, applied by hand here).
+    """
+    scale, _, out_scale, out_zp = RESHAPED_SUM
+    inits = _scalar_qparams("a", scale, zero_point) + _scalar_qparams("m", out_scale, out_zp) + [
+        numpy_helper.from_array(np.array([-1, 8, 16], np.int64), "shape"),
+        numpy_helper.from_array(np.array([1], np.int64), "axes"),
+        numpy_helper.from_array(np.array(8, np.float32), "n"),
+        numpy_helper.from_array(np.array(np.finfo(np.float32).min, np.float32), "lowest")]
+    nodes = _qdq("x", "a", "xd") + [helper.make_node("Reshape", ["xd", "shape"], ["r"])] + _qdq("r", "a", "rd")
+    summed = "rd"
+    if guard:
+        nodes.append(helper.make_node("Max", ["rd", "lowest"], ["rd_guarded"]))
+        summed = "rd_guarded"
+    nodes += [helper.make_node("ReduceSum", [summed, "axes"], ["sum"], keepdims=0),
+              helper.make_node("Div", ["sum", "n"], ["mean"])] + _qdq("mean", "m", "y")
+    graph = helper.make_graph(nodes, "reshaped_sum", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                    ["batch", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def float8_qdq(shape: tuple[int, ...], scale: float) -> onnx.ModelProto:
+    """``x → QuantizeLinear(float8e4m3fn, s, zero point 0) → DequantizeLinear`` (a graph input, like our fp8 files)."""
+    inits = [numpy_helper.from_array(np.array(scale, np.float32), "a_s"),
+             helper.make_tensor("a_z", TensorProto.FLOAT8E4M3FN, [], [0.0])]
+    graph = helper.make_graph(_qdq("x", "a", "y"), "float8_qdq",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape))], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])

@@ -1,7 +1,9 @@
-"""Three OpenVINO 2026.4 CPU defects on our QDQ files, reproduced on minimal graphs, and the export rules that fix them.
+"""OpenVINO 2026.4 CPU defects on our QDQ files, reproduced on minimal graphs, and the export rules that fix them.
 
 Each defect test pins OpenVINO's wrong behaviour (when a release fixes it, the test fails and the rewrite can go);
 each rewrite test proves OpenVINO then agrees with onnxruntime while onnxruntime's result stays bit-identical.
+Defects 1-3 and 5 have export rules; defect 4 (float32 -> float8 through float16, a numerics choice of OpenVINO's
+conversion) has none and is pinned here, its zoo cells are strict xfails in test_openvino_matrix.py.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ import pytest
 
 from coreai_opt.onnx.rewrite import apply
 from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
+from coreai_opt.onnx.rewrite.guard_quantized_sums import GuardQuantizedSums
 from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
 from coreai_opt.onnx.runtimes import open_runner
 from tests.onnx.openvino_graphs import (
     MEAN_OUT,
+    RESHAPED_SUM,
     conv_16bit_output,
     conv_16bit_per_channel_output,
     embedding_add,
+    float8_qdq,
     lone_16bit_qdq,
+    reshaped_sum,
     sequence_mean,
 )
 
@@ -149,3 +155,47 @@ def test_a_lone_16_bit_qdq_of_a_graph_input_compiles_in_openvino_once_clipped(tm
     ort_y, ov_y = _both(exported, {"x": x}, tmp_path / "exported.onnx")
     assert np.array_equal(ort_y, ort_plain)
     assert np.abs(ov_y - ort_y).max() / 1e-4 <= 0.5 + 1e-3
+
+
+def _reshaped_input() -> np.ndarray:
+    return (np.random.default_rng(0).standard_normal((128, 16)) * 0.1).astype(np.float32)
+
+
+def test_openvino_sums_a_requantized_reshape_of_an_asymmetric_uint8_tensor_over_100_steps_off(tmp_path: Path) -> None:
+    ort_y, ov_y = _both(reshaped_sum(), {"x": _reshaped_input()}, tmp_path / "sum.onnx")
+    assert np.abs(ov_y - ort_y).max() / RESHAPED_SUM[2] > 100  # measured 155 steps
+
+
+def test_openvino_sums_the_same_graph_right_with_zero_point_0(tmp_path: Path) -> None:
+    ort_y, ov_y = _both(reshaped_sum(zero_point=0), {"x": _reshaped_input()}, tmp_path / "sum_zp0.onnx")
+    assert np.array_equal(ov_y, ort_y)  # the misplaced part is the zero-point subtraction
+
+
+def test_guard_before_the_sum_makes_openvino_agree_and_keeps_onnxruntime_bit_exact(tmp_path: Path) -> None:
+    x = {"x": _reshaped_input()}
+    ort_plain, _ = _both(reshaped_sum(), x, tmp_path / "plain.onnx")
+    exported = reshaped_sum()
+    assert apply(exported, [GuardQuantizedSums()]).counts == {"guard_quantized_sums": 1}  # the export rule
+    by_hand = reshaped_sum(guard=True)
+    assert [n.op_type for n in exported.graph.node] == [n.op_type for n in by_hand.graph.node]
+    for model, name in ((by_hand, "by_hand.onnx"), (exported, "exported.onnx")):
+        ort_y, ov_y = _both(model, x, tmp_path / name)
+        assert np.array_equal(ort_y, ort_plain)
+        assert np.array_equal(ov_y, ort_y)
+
+
+def test_openvino_rounds_float32_to_float8_through_float16_where_onnxruntime_rounds_once(tmp_path: Path) -> None:
+    """Values one float32 ulp inside each float8e4m3fn midpoint: float16 rounds them onto the midpoint first."""
+    import ml_dtypes
+
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid) & (grid > 0)])
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    inside = np.nextafter(midpoints, np.float32(0))  # closer to the lower neighbour: rounds down, once
+    x = np.concatenate([inside, -inside]).astype(np.float32)[None]
+    ort_y, ov_y = _both(float8_qdq(x.shape, 1.0), {"x": x}, tmp_path / "fp8.onnx")
+    single = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    double = x.astype(np.float16).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.array_equal(ort_y, single)
+    assert np.array_equal(ov_y, double)
+    assert (ov_y != ort_y).mean() > 0.4  # measured: about half (the midpoints whose upper neighbour is even)

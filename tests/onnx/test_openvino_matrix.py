@@ -1,8 +1,10 @@
 """The zoo exports in OpenVINO CPU (float32 inference precision) against eager, through verify_onnx(runtime=...).
 
-Each cell must verify ok against the tolerance derived from onnxruntime's kernels (and a classifier must agree on
-top-1 for >= 99.9 % of the inputs). The cells OpenVINO 2026.4 gets wrong are xfail(strict=True) with the measured
-cause; docs/openvino.md has the measurements and the minimal graphs.
+Every preset of ``QuantizerConfig.presets.names()`` plus ``w8a8_dynamic``. Each cell must verify ok against the
+tolerance derived from onnxruntime's kernels (and a classifier must agree on top-1 for >= 99.9 % of the inputs,
+near ties not counted). The cells OpenVINO 2026.4 gets wrong are xfail(strict=True) with the measured cause;
+docs/openvino.md has the measurements and the minimal graphs. Measured (55 cells): 51 ok, the 4 xfails below
+(three fp8 cells: OpenVINO's float16 double rounding; torch_transformer w8a8_dynamic: its dynamic scale).
 """
 
 from __future__ import annotations
@@ -14,15 +16,31 @@ import torch
 
 import coreai_opt
 from coreai_opt.onnx import export_onnx, verify_onnx
+from tests.zoo import PRESETS as ZOO_PRESETS
 from tests.zoo import ZOO, build, preset_config
 
-PRESETS = ("w8", "w8a8", "w8a8_sym", "w8a16")
-#: No cell fails since the export clips before each 16-bit QuantizeLinear (rewrite/clip_16bit_activations.py).
-XFAIL: dict[tuple[str, str], str] = {}
+#: Every preset of ``QuantizerConfig.presets.names()`` and the transformer preset ``w8a8_dynamic``.
+PRESETS = (*ZOO_PRESETS, "w8a8_dynamic")
+_FLOAT8 = ("OpenVINO converts float32 to float8e4m3fn through float16 (double rounding: a value within a float16 "
+           "ulp of a float8 midpoint lands on it and rounds to even; onnxruntime and eager round once; onnxruntime "
+           "with that float16 step written in returns OpenVINO's output bit for bit), docs/openvino.md defect 4: ")
+#: Cells OpenVINO 2026.4 computes differently for a measured cause no export rule or runner setting fixes.
+XFAIL: dict[tuple[str, str], str] = {
+    ("resnet18", "fp8"): _FLOAT8 + "10.5 steps within 29 allowed, but top-1 79.7 % (12 near-tie flips, 98.4 % decided)",
+    ("conv_transpose_decoder", "fp8"): _FLOAT8 + "16.5 steps, 7 allowed",
+    ("conv1d_groupnorm", "fp8"): _FLOAT8 + "19 steps, 13 allowed (top-1 100 %)",
+    ("torch_transformer", "w8a8_dynamic"): (
+        "OpenVINO's DynamicQuantizeLinear scale is (max - min) * float32(1/255), onnxruntime's (max - min) / 255 "
+        "(one ulp apart in 36 of 50 random tensors); on this file max |diff| 0.0028 against a float-precision "
+        "bound of 0.000226, top-1 100 % (docs/openvino.md defect 6)"),
+}
+#: Cells that do not exist: w8a8_dynamic quantizes linears only and this model has none (export_onnx refuses a
+#: float model with a clear error).
+NOT_APPLICABLE: frozenset[tuple[str, str]] = frozenset({("conv_transpose_decoder", "w8a8_dynamic")})
 CELLS = [
     pytest.param(name, preset, marks=pytest.mark.xfail(strict=True, reason=XFAIL[name, preset]))
     if (name, preset) in XFAIL else (name, preset)
-    for name in ZOO for preset in PRESETS
+    for name in ZOO for preset in PRESETS if (name, preset) not in NOT_APPLICABLE
 ]
 
 

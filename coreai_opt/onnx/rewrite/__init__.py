@@ -18,10 +18,12 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 9. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
 10. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
 11. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
-12. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-13. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-14. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
-15. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+12. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
+    ``ReduceSum`` (OpenVINO folds that dequantization into the sum wrongly; onnxruntime stays bit-exact).
+13. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+14. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+15. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+16. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
     ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
@@ -51,6 +53,7 @@ from coreai_opt.onnx.rewrite.gather_quantized_rows import GatherQuantizedRows
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivations
 from coreai_opt.onnx.rewrite.guard_float8_activations import GuardFloat8Activations
+from coreai_opt.onnx.rewrite.guard_quantized_sums import GuardQuantizedSums
 from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
 from coreai_opt.onnx.rewrite.means_to_global_average_pool import MeansToGlobalAveragePool
 from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
@@ -74,6 +77,7 @@ POST_PASSES: tuple[Rule, ...] = (
     CollapseReshapes(),
     MeansToGlobalAveragePool(),
     MeansToSumAndDivide(),
+    GuardQuantizedSums(),
     DropZeroBiases(),
     GuardFloat8Activations(),
     GuardFourBitActivations(),
