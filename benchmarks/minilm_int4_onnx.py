@@ -11,7 +11,8 @@ Two phases, so the slow builds can run on a loaded machine and the timing in a s
   a row whose builder fails is recorded with its error and the run goes on.
 * ``--time WORKDIR [--output PATH]``: times every file of results.json interleaved (:func:`benchmarks.latency.measure`:
   fresh sessions, 1 intra-op thread, ``ORT_ENABLE_ALL``), batch 16 × 48 tokens and batch 1 × 48 tokens, and writes
-  the markdown table with the latency ratios to fp32 (ratio of medians) next to the accuracy columns.
+  the markdown table with the latency ratios to fp32 (ratio of medians) next to the accuracy columns. Run it after
+  ``--build`` has finished (both rewrite results.json).
 
 ``--tiny`` swaps MiniLM for a random 2-layer ``BertConfig`` (hidden 64) for a quick end-to-end check of the script.
 
@@ -92,7 +93,7 @@ def build(work: Path, blocks: list[int], tiny: bool, rebuild: bool, only: set[st
                        "torch": torch.__version__, **_versions()}
     rows = results["rows"]
     fp32_path = work / "fp32.onnx"
-    if rebuild or "fp32" not in rows:
+    if "fp32" not in rows or (rebuild and (not only or "fp32" in only)):
         start = time.perf_counter()
         V.export_float(model, example, fp32_path)
         rows["fp32"] = {"name": "fp32 ONNX", "block": None, "build_s": time.perf_counter() - start,
@@ -115,6 +116,7 @@ def build(work: Path, blocks: list[int], tiny: bool, rebuild: bool, only: set[st
             row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
             log.info("%s failed:\n%s", variant.key, traceback.format_exc())
         rows[variant.key] = row
+        results.get("latency", {}).pop(variant.key, None)  # a rebuilt file's old timing no longer applies
         log.info("%s: %s", variant.key, json.dumps({k: v for k, v in row.items() if k != "ops"}))
         _write(work, results)
     return results
