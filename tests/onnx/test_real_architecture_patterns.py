@@ -209,3 +209,24 @@ def test_squeeze_excite_gate_is_calibrated_inside_zero_one_and_beats_the_fixed_r
     assert results[True][0] == pytest.approx(1 / 255, rel=1e-6)
     assert results[False][1] > results[True][1] + 3.0  # the gate's own error: a 0.62x step, about 4 dB
     assert results[False][2] >= results[True][2]  # the whole model: 36.60 vs 36.59 dB here (the gate is not its limit)
+
+
+class _ClsHead(nn.Module):
+    """A BERT-style classification head: ``dense(dropout(x[:, 0]))`` after an encoder linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.dropout, self.dense = nn.Linear(16, 16), nn.Dropout(0.1), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.dense(self.dropout(self.encoder(x)[:, 0]))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_value_moving_op_before_an_eval_dropout_is_requantized_so_the_linear_after_runs_as_qgemm(tmp_path, capture):
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 5, 16),) for _ in range(3)]
+    _, report = _pipeline(_ClsHead().eval(), batches, tmp_path / "m.onnx", capture)
+    assert _requantize_pairs(tmp_path / "m.onnx") == []
+    assert report.fusion.num_float_compute == 0 and sum(report.fusion.integer_compute.values()) == 2
+    assert report.ok
