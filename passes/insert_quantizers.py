@@ -8,7 +8,11 @@ edges ``(producer, consumer)``) by union-find; this pass builds one quantizer mo
   :class:`~coreai_opt.passes.node_meta.SharedSpec` (reshape, max-pool, cat, ...) only move values that are
   already on the grid; the module is called once more on such a tensor where it leaves the group (a user
   outside the group), which changes no value (``Q(Q(x)) = Q(x)``) but gives onnxruntime the
-  ``DQ → op → Q`` pattern it needs to run MaxPool/Reshape/Concat on integers and to fuse the consumer;
+  ``DQ → op → Q`` pattern it needs to run MaxPool/Reshape/Concat on integers and to fuse the consumer. A
+  member that returns its input unchanged (``nn.Identity``, a dropout in eval mode or with ``p = 0``: see
+  :func:`_is_identity`) gets no such call: the export emits no op for it, so the call would only be a second,
+  identical ``QuantizeLinear → DequantizeLinear`` pair on the same edge (timm's ``BatchNormAct2d.drop``); the
+  member it reads is called instead when that one moves values (``x[:, 0] → dropout → linear``: ``Gather → Q``);
 * on *split-off edges* ``(p, c)``: once per producer ``p``, on the float value of ``p`` (value-moving ops
   between ``p``'s source and ``p`` are replayed on the float source when ``p``'s group is quantized), read by
   those consumers only. Such a quantizer serves ``"<tensor>@<consumer>"`` when the tensor has a quantizer of
@@ -25,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
@@ -79,6 +84,24 @@ def _unique(serves: str, used: set[str], *, per_tail: bool = False) -> str:
         serves = f"{stem}[{k}].{tail}"
     used.add(serves)
     return serves
+
+
+def _is_identity(gm: GraphModule, node: Node) -> bool:
+    """True for a node that returns its input tensor unchanged in the mode the graph is prepared in.
+
+    ``nn.Identity``; a dropout module (``nn.Dropout``, ``nn.Dropout2d``, ...) with ``p = 0`` or in eval mode; a
+    functional dropout called with ``training=False`` (``F.dropout(x, p, training=False)``, ``aten.dropout``).
+    A dropout that trains (QAT) scales the values kept by ``1 / (1 − p)``, off the grid, so it is not one.
+    """
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if isinstance(module, nn.Identity):
+            return True
+        return isinstance(module, nn.modules.dropout._DropoutNd) and (module.p == 0 or not module.training)
+    if node.op == "call_function" and get_meta(node).kind is OpKind.DROPOUT:
+        training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
+        return training is False
+    return False
 
 
 def _insert_call(
@@ -140,12 +163,17 @@ class _Inserter:
         self.modules[id(group)] = (name, info)
         followers = self.plan.followers
         exits = [n for n in group.outputs if n in followers and tensor_info(n) is not None
-                 and any(u not in followers for u in n.users)]
+                 and not _is_identity(self.gm, n) and self.read_outside(n)]
         for source in (sources + exits) if group.outputs else []:
             call = _insert_call(self.gm, name, source, (source,), info, after=True, source=source)
             source.replace_all_uses_with(call, delete_user_cb=lambda user, call=call: user is not call)
             self.call_at[source], self.float_of[call] = call, source
             self.changes += 1
+
+    def read_outside(self, node: Node) -> bool:
+        """True when a node outside the group reads ``node``, directly or through identity members."""
+        followers = self.plan.followers
+        return any(u not in followers or (_is_identity(self.gm, u) and self.read_outside(u)) for u in node.users)
 
     def has_module(self, group: QuantizerGroup | None) -> bool:
         """True when ``group`` quantizes node outputs (its module is called after its sources)."""

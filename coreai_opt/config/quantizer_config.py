@@ -102,8 +102,10 @@ class QuantizerConfig(BaseModel):
         fold_attention_scale: Fold the constant scale of attention scores (``q @ kᵀ / sqrt(d)``) into the
             query projection's weight and bias, removing a quantize/dequantize/div step per attention block
             (:mod:`coreai_opt.passes.fold_attention_scale`).
-        fixed_range_outputs: sigmoid/softmax outputs use the fixed range [0, 1] and tanh outputs [-1, 1]
-            instead of calibrated ranges.
+        fixed_range_outputs: softmax outputs use the fixed range [0, 1], its upper end shrunk to a power-of-two
+            step (uint8: [0, 255/256], which onnxruntime's ``QLinearSoftmax`` reproduces bit for bit), instead of
+            a calibrated range. Sigmoid / tanh outputs are calibrated either way: their calibrated range lies
+            inside [0, 1] / [-1, 1] and is often much narrower (a squeeze-excite gate).
         per_block_fallback: What to do with a per-block weight spec whose block size does not divide the
             weight's blocked dimension (e.g. a 3-channel stem conv under block 32): ``"error"`` (prepare raises,
             listing every such layer) or ``"per_channel"`` (that layer uses per-output-channel scales instead,

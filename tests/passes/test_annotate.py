@@ -103,8 +103,9 @@ def test_annotate_matmul_constant_operand_is_a_weight_and_fixed_ranges_apply():
     assert specs["x"].role is Role.ACTIVATION
     ranges = {k: get_meta(_by_kind(gm, k)[0]).annotation.output.spec.float_range
               for k in (OpKind.SOFTMAX, OpKind.TANH, OpKind.SIGMOID)}
-    # softmax (uint8 here): [0, 255/256], a step of exactly 2^-8, which onnxruntime's QLinearSoftmax reproduces
-    assert ranges == {OpKind.SOFTMAX: (0.0, 255 / 256), OpKind.TANH: (-1.0, 1.0), OpKind.SIGMOID: (0.0, 1.0)}
+    # softmax (uint8 here): [0, 255/256], a step of exactly 2^-8, which onnxruntime's QLinearSoftmax reproduces;
+    # sigmoid / tanh are calibrated (their calibrated range lies inside [0, 1] / [-1, 1])
+    assert ranges == {OpKind.SOFTMAX: (0.0, 255 / 256), OpKind.TANH: None, OpKind.SIGMOID: None}
     cfg = W8A8()
     cfg.fixed_range_outputs = False
     gm = annotated(_Attention().eval(), torch.randn(2, 8), cfg)
