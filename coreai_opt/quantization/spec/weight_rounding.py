@@ -32,6 +32,7 @@ and decorate with ``@WEIGHT_ROUNDING.register("key")``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
@@ -143,7 +144,7 @@ class WeightRoundingBase(RegistryFamily, nn.Module):
         fresh = stats is not None and stats.has_statistics
         if not fresh and self.matches(weight):
             return RoundedWeight(self.qweight.int(), self.scale, self.zero_point)
-        with torch.no_grad():
+        with torch.no_grad(), stats.consumed() if fresh else contextlib.nullcontext():
             result = self.round_weight(weight.detach().float(), stats if fresh else None)
         qmin, qmax = int(self.spec.quant_min), int(self.spec.quant_max)
         if int(result.q.min()) < qmin or int(result.q.max()) > qmax:
@@ -219,7 +220,15 @@ def rows_result(
 
 
 def _from_rows_view(rows: Tensor, shape: tuple[int, ...], granularity: Granularity) -> Tensor:
-    """Inverse of ``granularity.to_rows`` (found through the index permutation, exact for every granularity)."""
+    """Inverse of ``granularity.to_rows`` (found through the index permutation, exact for every granularity).
+
+    When the rows view of a contiguous tensor is itself a contiguous view (per-tensor, per-channel axis 0,
+    per-block along the last axis: checked on a meta tensor) the permutation is the identity and the inverse a
+    reshape; otherwise an int64 index of the weight's size (twice a float32 weight) finds it.
+    """
+    probe = granularity.to_rows(torch.empty(shape, device="meta"))
+    if probe._is_view() and probe.is_contiguous() and probe.storage_offset() == 0:
+        return rows.reshape(shape)
     index = torch.arange(rows.numel(), device=rows.device).reshape(shape)
     order = granularity.to_rows(index).reshape(-1)
     out = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
