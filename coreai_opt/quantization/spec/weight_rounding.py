@@ -63,14 +63,23 @@ class RoundedWeight(NamedTuple):
     zero_point: Tensor
 
 
+#: Elements summed at a time by :func:`weight_fingerprint`.
+_FINGERPRINT_CHUNK = 1 << 22
+
+
 def weight_fingerprint(x: Tensor) -> Tensor:
     """An exact, order-independent fingerprint of a tensor's bits: the int64 sum of its raw element bits.
 
     Any change of a single element changes it; it is deterministic whatever the thread count (integer sum).
     """
     flat = x.detach().contiguous().reshape(-1)
-    view = {4: torch.int32, 2: torch.int16, 8: torch.int64}[flat.element_size()]
-    return flat.view(view).sum(dtype=torch.int64)
+    bits = flat.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[flat.element_size()])
+    # In chunks: the sum's int64 cast of a whole weight would be twice a float32 weight (an exact integer sum,
+    # so the chunking changes no bit).
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for chunk in bits.split(_FINGERPRINT_CHUNK):
+        total += chunk.sum(dtype=torch.int64)
+    return total
 
 
 class WeightRoundingBase(RegistryFamily, nn.Module):
