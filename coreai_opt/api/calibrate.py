@@ -35,11 +35,13 @@ from coreai_opt.api._state import (
 )
 from coreai_opt.api.batches import as_call
 from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
+from coreai_opt.api.hessian_groups import check_reiterable, hessian_budget, hessian_groups
 from coreai_opt.api.input_checks import check_batch, given_inputs, token_inputs
 from coreai_opt.api.model_guard import exclusive_model
 from coreai_opt.api.quantizer_snapshot import QuantizerSnapshot
 from coreai_opt.error_boundary import error_stage, public_api
 from coreai_opt.passes.graph_meta import GraphMeta, require_graph_meta
+from coreai_opt.quantization.spec.input_statistics import InputStatistics
 
 __all__ = ["calibrate"]
 
@@ -96,6 +98,7 @@ def calibrate(
     max_batches: int | None = None,
     progress: bool = True,
     sync: str = "auto",
+    hessian_memory: int | None = None,
 ) -> fx.GraphModule:
     """Observe ``data`` and commit the qparams of every quantizer of ``prepared`` (in place).
 
@@ -115,6 +118,11 @@ def calibrate(
         max_batches: Stop after this many batches.
         progress: Show a tqdm progress bar.
         sync: ``"auto"``, ``"every_batch"`` or ``"never"`` (torch.distributed statistics merging).
+        hessian_memory: Bytes of GPTQ ``d × d`` Hessians accumulated per pass over ``data``; when all of them
+            need more, ``data`` is run once per group of linears and each group is rounded and freed before
+            the next (:mod:`~coreai_opt.api.hessian_groups`; bit-identical results). None: a quarter of the
+            model's fp32 parameter bytes, at least 256 MiB. Several passes need re-iterable ``data`` (a list,
+            a DataLoader).
 
     Returns:
         ``prepared`` itself, calibrated.
@@ -123,7 +131,8 @@ def calibrate(
         TypeError: ``prepared`` was not produced by ``prepare``.
         ValueError: converted model, empty data, bad ``sync``/``max_batches``, a batch unlike the example, an
             empty batch or token ids outside an embedding (:class:`~coreai_opt.errors.InputValidationError`),
-            or a range float32 cannot hold (:class:`~coreai_opt.errors.QParamsRangeError`).
+            or a range float32 cannot hold (:class:`~coreai_opt.errors.QParamsRangeError`), a bad
+            ``hessian_memory``, or one-shot ``data`` when the Hessians need several passes.
         CalibrationInProgressError: another call is changing this model's quantizers.
     """
     meta = require_graph_meta(prepared, "calibrate")
@@ -133,10 +142,13 @@ def calibrate(
         raise ValueError(f"sync={sync!r} is not one of {SYNC_MODES}; use sync='auto'")
     if max_batches is not None and (not isinstance(max_batches, int) or max_batches < 1):
         raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
+    budget = hessian_budget(prepared, hessian_memory)
+    groups = hessian_groups(prepared, input_statistics(prepared), budget)
+    check_reiterable(data, groups, budget)
     with exclusive_model(prepared, "calibrate"):
         snapshot = QuantizerSnapshot(prepared)
         try:
-            _calibrate_in_place(prepared, meta, data, max_batches, progress, sync)
+            _calibrate_in_place(prepared, meta, data, max_batches, progress, sync, groups)
         except BaseException:
             snapshot.restore()
             raise
@@ -145,9 +157,13 @@ def calibrate(
 
 def _calibrate_in_place(
     prepared: fx.GraphModule, meta: GraphMeta, data: Iterable[Any], max_batches: int | None, progress: bool,
-    sync: str,
+    sync: str, groups: list[list[InputStatistics]],
 ) -> None:
-    """The calibration itself; leaves partial state behind when it raises (``calibrate`` rolls it back)."""
+    """The calibration itself; leaves partial state behind when it raises (``calibrate`` rolls it back).
+
+    The first pass over ``data`` observes every activation and ``groups[0]``'s input statistics; each further
+    pass only the next group's Hessians, whose weights are rounded (and the Hessians freed) at its end.
+    """
     quantizers = [fq for _, fq in fake_quantizers(prepared)]
     saved = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for fq in quantizers]
     biases = [bq for _, bq in bias_quantizers(prepared)]
@@ -167,40 +183,26 @@ def _calibrate_in_place(
     statistics = input_statistics(prepared)  # data-aware weight rounding (GPTQ ...) observes the linears' inputs
     for stats in statistics:
         stats.reset()
-        stats.enabled = True
     prepared.eval()
-    count = 0
-    total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
-    names = list(meta.input_names)
-    tokens = token_inputs(prepared, names)
     try:
-        # statistics are merged across torch.distributed ranks (no-op without a process group) before commit
-        with torch.no_grad(), CalibrationSync(prepared, sync) as syncer:
-            bar = tqdm(data, total=total, disable=not progress or not syncer.is_main, desc="calibrate", leave=False)
-            batches = iter(bar)
-            while max_batches is None or count < max_batches:
-                with error_stage(f"reading calibration batch {count} from data"):
-                    batch = next(batches, _END)
-                if batch is _END:
-                    break
-                args, kwargs = as_call(batch)
-                _check_inputs(meta, args, kwargs)
-                check_batch(meta, tokens, given_inputs(names, args, kwargs), f"calibration batch {count}")
-                try:
-                    with error_stage(f"running calibration batch {count} through the model"):
-                        prepared(*args, **kwargs)
-                except RuntimeError as exc:
-                    hint = _shape_hint(meta, args, kwargs)
-                    raise ValueError(f"calibration batch {count} failed: {hint}{exc}") from exc
-                count += 1
-                syncer.after_batch()
-            bar.close()
-        if syncer.total_batches == 0:  # no rank had data (one empty rank of several is fine)
-            raise ValueError("calibration data is empty: pass an iterable with at least one batch")
-        with error_stage("committing the qparams"):
-            for fq in activation_quantizers:
-                fq.commit()
-            commit_weight_qparams(prepared)
+        for index, group in enumerate(groups):
+            for stats in group:
+                stats.enabled = True
+            if index:  # later passes accumulate this group's Hessians only: the activations are committed
+                for fq in activation_quantizers:
+                    fq.enable_observer(False)
+            desc = "calibrate" if len(groups) == 1 else f"calibrate (pass {index + 1} of {len(groups)})"
+            only = None if index == 0 else group
+            total_batches = _run_pass(prepared, meta, data, max_batches, progress, sync, desc, only)
+            if total_batches == 0:  # no rank had data (one empty rank of several is fine)
+                raise ValueError("calibration data is empty: pass an iterable with at least one batch")
+            with error_stage("committing the qparams"):
+                if index == 0:
+                    for fq in activation_quantizers:
+                        fq.commit()
+                commit_weight_qparams(prepared)  # rounds this group's weights, frees their Hessians
+            for stats in group:
+                stats.enabled = False
     finally:
         for fq, (observe, fake_quant) in zip(quantizers, saved, strict=True):
             fq.enable_observer(observe)
@@ -210,3 +212,36 @@ def _calibrate_in_place(
         for stats in statistics:
             stats.enabled = False
         prepared.train(was_training)
+
+
+def _run_pass(
+    prepared: fx.GraphModule, meta: GraphMeta, data: Iterable[Any], max_batches: int | None, progress: bool,
+    sync: str, desc: str, only: list[InputStatistics] | None,
+) -> int:
+    """Run the batches of ``data`` once; merge across ranks (``only`` these statistics); return the batch total."""
+    count = 0
+    total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
+    names = list(meta.input_names)
+    tokens = token_inputs(prepared, names)
+    # statistics are merged across torch.distributed ranks (no-op without a process group) before commit
+    with torch.no_grad(), CalibrationSync(prepared, sync, only=only) as syncer:
+        bar = tqdm(data, total=total, disable=not progress or not syncer.is_main, desc=desc, leave=False)
+        batches = iter(bar)
+        while max_batches is None or count < max_batches:
+            with error_stage(f"reading calibration batch {count} from data"):
+                batch = next(batches, _END)
+            if batch is _END:
+                break
+            args, kwargs = as_call(batch)
+            _check_inputs(meta, args, kwargs)
+            check_batch(meta, tokens, given_inputs(names, args, kwargs), f"calibration batch {count}")
+            try:
+                with error_stage(f"running calibration batch {count} through the model"):
+                    prepared(*args, **kwargs)
+            except RuntimeError as exc:
+                hint = _shape_hint(meta, args, kwargs)
+                raise ValueError(f"calibration batch {count} failed: {hint}{exc}") from exc
+            count += 1
+            syncer.after_batch()
+        bar.close()
+    return syncer.total_batches

@@ -61,6 +61,7 @@ from coreai_opt.onnx.rewrite.write_matmul_nbits import finish_matmul_nbits
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.passes.graph_meta import get_graph_meta
 from coreai_opt.passes.node_meta import Role, get_meta
+from coreai_opt.passes.sink_weight_quantizers import eager_order
 from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
 from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation, int8_compute_translation_table
 from coreai_opt.quantization.spec.matmul_compute import get_matmul_compute
@@ -112,7 +113,7 @@ def _names(given: Sequence[str] | None, default: list[str], count: int, what: st
 
 def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
     with torch.no_grad():
-        outputs = model(*inputs)
+        outputs = eager_order(model)(*inputs)
     pytree = torch.utils._pytree
     leaves = pytree.tree_flatten_with_path(outputs)[0]
     others = [(pytree.keystr(path), value) for path, value in leaves if not isinstance(value, torch.Tensor)]

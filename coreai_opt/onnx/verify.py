@@ -40,6 +40,7 @@ from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import QdqView
 from coreai_opt.onnx.runtimes import open_runner
 from coreai_opt.onnx.tolerance import OutputTolerance, derive_tolerances
+from coreai_opt.passes.sink_weight_quantizers import eager_order
 
 __all__ = [
     "VerificationReport",
@@ -314,6 +315,11 @@ def verify_onnx(
     batches = _batches(inputs)
     check_verify_batches(model, batches)
     _refuse_empty(batches)
+    # Every eager reference first, then the runtime: the eager forward's temporaries (a fake-quantized weight at
+    # a time) and the session's weights (its integers and prepacked copies) are never resident together.
+    eager_model = eager_order(model)
+    eager = [_run_eager(eager_model, batch) for batch in batches]
+    del eager_model
     runner = open_runner(path, runtime, providers)
     input_names, output_names = runner.input_names, runner.output_names
     refs: list[list[np.ndarray]] = [[] for _ in output_names]
@@ -322,15 +328,14 @@ def verify_onnx(
         if len(batch) != len(input_names):
             raise ValueError(f"batch {i} has {len(batch)} tensor(s) but the ONNX model takes {len(input_names)} "
                              f"({input_names})")
-        eager = _run_eager(model, batch)
         feed = {name: t.detach().cpu().numpy() for name, t in zip(input_names, batch, strict=True)}
         onnx_out = runner.run(feed)
-        if len(eager) != len(onnx_out):
-            raise ValueError(f"the eager model returned {len(eager)} output(s), the ONNX model {len(onnx_out)}")
-        for k, (ref, got) in enumerate(zip(eager, onnx_out, strict=True)):
+        if len(eager[i]) != len(onnx_out):
+            raise ValueError(f"the eager model returned {len(eager[i])} output(s), the ONNX model {len(onnx_out)}")
+        for k, (ref, got) in enumerate(zip(eager[i], onnx_out, strict=True)):
             refs[k].append(ref)
             gots[k].append(got)
-    del runner  # the sessions below load the file again: never hold two copies of its weights at once
+    del runner, eager  # the sessions below load the file again: never hold two copies of its weights at once
     steps = _output_steps(onnx.load(str(path), load_external_data=False))  # released before the sessions below
     tolerances = derive_tolerances(optimized_model(path, "all"), set(steps))
     outputs = tuple(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import nn
 
 from coreai_opt.api.distributed.process_group import Timeout, is_distributed, is_main_process
@@ -46,13 +48,15 @@ class CalibrationSync:
         sync: One of :data:`SYNC_MODES`.
         group: Process group (default: the world).
         timeout: Per-collective timeout in seconds; None uses the process group timeout.
+        only: Merge only these calculators (a later pass of a multi-pass calibration); None: all of them.
 
     Raises:
         ValueError: unknown ``sync``.
     """
 
     def __init__(
-        self, model: nn.Module, sync: str = "auto", group: object | None = None, timeout: Timeout = None
+        self, model: nn.Module, sync: str = "auto", group: object | None = None, timeout: Timeout = None, *,
+        only: Collection[nn.Module] | None = None,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync={sync!r} is not one of {', '.join(map(repr, SYNC_MODES))}; use sync='auto'")
@@ -65,6 +69,9 @@ class CalibrationSync:
         self.total_batches = 0  # batches all ranks ran (known after finish(); == batches when not enabled)
         self.synced = 0  # calculators merged by finish()
         self._items = stateful_calculators(model) if self.enabled else []
+        if only is not None:  # a later calibration pass: the other statistics were merged already
+            chosen = {id(m) for m in only}
+            self._items = [(name, m) for name, m in self._items if id(m) in chosen]
         self._ordered = order_dependent_items(self._items)
 
     @property

@@ -25,6 +25,9 @@ Non-finite rows are skipped with one warning.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -58,6 +61,7 @@ class InputStatistics(RangeCalculatorBase):
         self.hessian = bool(hessian)
         self.enabled = False
         self.attached = False
+        self._consume = False  # see consumed()
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         for name in (*_SUMS, "min_val", "max_val"):
             self.register_buffer(name, torch.empty(0))
@@ -132,7 +136,23 @@ class InputStatistics(RangeCalculatorBase):
         self._require()
         if not self.hessian:
             raise RuntimeError(f"{self.name}: built with hessian=False; it has no XᵀX to return")
+        if getattr(self, "_consume", False) and self.xtx.numel():
+            h = self.xtx.mul_(2.0 / float(self.count))  # the same float32 product, in place
+            self.xtx = torch.empty(0, device=h.device)
+            return h
         return self.xtx * (2.0 / float(self.count))
+
+    @contextlib.contextmanager
+    def consumed(self) -> Iterator[None]:
+        """Inside: :meth:`hessian_matrix` scales ``XᵀX`` in place and gives it up (no second ``d × d`` copy).
+
+        For a caller that resets the statistics right after (weight rounding's commit); the values are the same.
+        """
+        self._consume = True
+        try:
+            yield
+        finally:
+            self._consume = False
 
     def compute_range(self) -> tuple[Tensor, Tensor]:
         """Per-input-channel ``(min, max)`` over every observed row."""

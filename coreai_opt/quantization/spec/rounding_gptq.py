@@ -18,10 +18,13 @@ Scales follow the spec's granularity: per-block (axis 1) qparams of a block are 
 rule of the spec (full signed range for symmetric), from the *updated* weights when the block's first column is
 reached; with activation order, per-channel or per-tensor granularity they come from the original weight
 (static groups, so that a permutation never splits a block). Memory: ``W``, ``H`` and ``U`` of this one layer
-(``U`` computed in place in one float64 matrix; ``H`` released once ``U`` exists).
+(in ``commit`` ``H`` is the statistics' own ``XᵀX`` scaled in place, ``U`` computed in place in one float64 matrix;
+``H`` and the float64 ``U`` are released before the weight-sized column loop).
 Deterministic (no random numbers; fixed-order float arithmetic).
 
-Weights without a Hessian (no linear input edge: convolutions, embeddings) are rounded by the data-free clip
+A linear weight rounded before calibration brought its Hessian (``prepare``) gets a provisional
+round-to-nearest result (``awaiting_data``: ``convert`` refuses it until calibration replaces it). Weights that
+never get a Hessian (no linear input edge: convolutions, embeddings) are rounded by the data-free clip
 search of :class:`~coreai_opt.quantization.spec.rounding_mse.MSERounding` (for an embedding table the weight
 error *is* the output error, and the search never ends above round-to-nearest).
 """
@@ -37,7 +40,7 @@ from coreai_opt.quantization.spec.granularity import PerBlock, PerChannel, PerTe
 from coreai_opt.quantization.spec.input_statistics import InputStatistics
 from coreai_opt.quantization.spec.rounding_math import rtn_qparams
 from coreai_opt.quantization.spec.rounding_mse import MSERounding, search_rows
-from coreai_opt.quantization.spec.weight_rounding import WEIGHT_ROUNDING, RoundedWeight
+from coreai_opt.quantization.spec.weight_rounding import WEIGHT_ROUNDING, RoundedWeight, RTNRounding
 
 __all__ = ["GPTQRounding", "GPTQClipSearchRounding", "inverse_hessian_factor"]
 
@@ -83,6 +86,10 @@ class GPTQRounding(MSERounding):
     clip_search: ClassVar[bool] = False
 
     def round_weight(self, weight: Tensor, statistics: InputStatistics | None) -> RoundedWeight:  # noqa: D102
+        if statistics is None and self.statistics is not None and self.statistics.attached:
+            # A linear whose Hessian calibration will bring: this result is provisional (awaiting_data, refused by
+            # convert) and replaced, so round to nearest instead of running the minutes-long clip search.
+            return RTNRounding.round_weight(self, weight, None)
         if statistics is None or weight.dim() != 2 or statistics.num_channels != weight.shape[1]:
             return super().round_weight(weight, statistics)
         granularity = self.spec.granularity
@@ -96,17 +103,20 @@ class GPTQRounding(MSERounding):
                 f"{self.name}: gptq rounds per-block (axis 1), per-channel (axis 0) or per-tensor weights, got "
                 f"{granularity}; use weight_rounding='rtn' or 'mse' for it"
             )
-        hessian = statistics.hessian_matrix()
-        w = weight.clone()
+        hessian = statistics.hessian_matrix()  # in commit: the statistics' own d x d buffer, scaled in place
         perm = torch.argsort(hessian.diagonal(), descending=True, stable=True) if self.act_order else None
         static = perm is not None or block == n
         self._diag = hessian.diagonal().clone()
+        if perm is not None:
+            hessian = hessian[perm][:, perm]
+        factor = inverse_hessian_factor(hessian, self.damping)
+        del hessian  # d x d: only the factor is needed from here on (the diagonal is kept)
+        factor = factor.float()  # the float64 factor is freed here, before the weight-sized work below
+        w = weight.clone()
         scale, zero = self._static_qparams(weight, block) if static else (
             torch.empty(out, n // block, device=w.device), torch.empty(out, n // block, dtype=torch.int32))
         if perm is not None:
-            w, hessian = w[:, perm], hessian[perm][:, perm]
-        factor = inverse_hessian_factor(hessian, self.damping).float()
-        del hessian  # d x d: only the factor is needed from here on (the diagonal is kept)
+            w = w[:, perm]
         group_of = torch.arange(n, device=w.device) // block
         if perm is not None:
             group_of = group_of[perm]

@@ -32,6 +32,7 @@ and decorate with ``@WEIGHT_ROUNDING.register("key")``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
@@ -62,14 +63,23 @@ class RoundedWeight(NamedTuple):
     zero_point: Tensor
 
 
+#: Elements summed at a time by :func:`weight_fingerprint`.
+_FINGERPRINT_CHUNK = 1 << 22
+
+
 def weight_fingerprint(x: Tensor) -> Tensor:
     """An exact, order-independent fingerprint of a tensor's bits: the int64 sum of its raw element bits.
 
     Any change of a single element changes it; it is deterministic whatever the thread count (integer sum).
     """
     flat = x.detach().contiguous().reshape(-1)
-    view = {4: torch.int32, 2: torch.int16, 8: torch.int64}[flat.element_size()]
-    return flat.view(view).sum(dtype=torch.int64)
+    bits = flat.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[flat.element_size()])
+    # In chunks: the sum's int64 cast of a whole weight would be twice a float32 weight (an exact integer sum,
+    # so the chunking changes no bit).
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for chunk in bits.split(_FINGERPRINT_CHUNK):
+        total += chunk.sum(dtype=torch.int64)
+    return total
 
 
 class WeightRoundingBase(RegistryFamily, nn.Module):
@@ -143,7 +153,7 @@ class WeightRoundingBase(RegistryFamily, nn.Module):
         fresh = stats is not None and stats.has_statistics
         if not fresh and self.matches(weight):
             return RoundedWeight(self.qweight.int(), self.scale, self.zero_point)
-        with torch.no_grad():
+        with torch.no_grad(), stats.consumed() if fresh else contextlib.nullcontext():
             result = self.round_weight(weight.detach().float(), stats if fresh else None)
         qmin, qmax = int(self.spec.quant_min), int(self.spec.quant_max)
         if int(result.q.min()) < qmin or int(result.q.max()) > qmax:
@@ -219,7 +229,15 @@ def rows_result(
 
 
 def _from_rows_view(rows: Tensor, shape: tuple[int, ...], granularity: Granularity) -> Tensor:
-    """Inverse of ``granularity.to_rows`` (found through the index permutation, exact for every granularity)."""
+    """Inverse of ``granularity.to_rows`` (found through the index permutation, exact for every granularity).
+
+    When the rows view of a contiguous tensor is itself a contiguous view (per-tensor, per-channel axis 0,
+    per-block along the last axis: checked on a meta tensor) the permutation is the identity and the inverse a
+    reshape; otherwise an int64 index of the weight's size (twice a float32 weight) finds it.
+    """
+    probe = granularity.to_rows(torch.empty(shape, device="meta"))
+    if probe._is_view() and probe.is_contiguous() and probe.storage_offset() == 0:
+        return rows.reshape(shape)
     index = torch.arange(rows.numel(), device=rows.device).reshape(shape)
     order = granularity.to_rows(index).reshape(-1)
     out = torch.empty(rows.numel(), dtype=rows.dtype, device=rows.device)
