@@ -315,6 +315,15 @@ def verify_onnx(
     batches = _batches(inputs)
     check_verify_batches(model, batches)
     _refuse_empty(batches)
+    graph_model = onnx.load(str(path), load_external_data=False)  # released before the eager forwards
+    initializers = {t.name for t in graph_model.graph.initializer}
+    file_inputs = [i.name for i in graph_model.graph.input if i.name not in initializers]
+    steps = _output_steps(graph_model)
+    del graph_model
+    for i, batch in enumerate(batches):  # before the eager forward, which would fail with torch's own TypeError
+        if len(batch) != len(file_inputs):
+            raise ValueError(f"batch {i} has {len(batch)} tensor(s) but the ONNX model takes {len(file_inputs)} "
+                             f"({file_inputs})")
     # Every eager reference first, then the runtime: the eager forward's temporaries (a fake-quantized weight at
     # a time) and the session's weights (its integers and prepacked copies) are never resident together.
     eager_model = eager_order(model)
@@ -325,9 +334,6 @@ def verify_onnx(
     refs: list[list[np.ndarray]] = [[] for _ in output_names]
     gots: list[list[np.ndarray]] = [[] for _ in output_names]
     for i, batch in enumerate(batches):
-        if len(batch) != len(input_names):
-            raise ValueError(f"batch {i} has {len(batch)} tensor(s) but the ONNX model takes {len(input_names)} "
-                             f"({input_names})")
         feed = {name: t.detach().cpu().numpy() for name, t in zip(input_names, batch, strict=True)}
         onnx_out = runner.run(feed)
         if len(eager[i]) != len(onnx_out):
@@ -336,7 +342,6 @@ def verify_onnx(
             refs[k].append(ref)
             gots[k].append(got)
     del runner, eager  # the sessions below load the file again: never hold two copies of its weights at once
-    steps = _output_steps(onnx.load(str(path), load_external_data=False))  # released before the sessions below
     tolerances = derive_tolerances(optimized_model(path, "all"), set(steps))
     outputs = tuple(
         _compare(name, refs[k], gots[k], steps.get(name), tolerances.get(name)) for k, name in enumerate(output_names)
