@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-__all__ = ["Runner", "RUNTIMES", "OPENVINO_CONFIG", "open_runner"]
+__all__ = ["Runner", "RUNTIMES", "OPENVINO_CONFIG", "graph_input_names", "open_runner"]
 
 #: OpenVINO CPU compile settings (module docstring).
 OPENVINO_CONFIG: dict[str, str] = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
@@ -84,10 +84,13 @@ def _openvino(path: Path) -> Runner:
     # OpenVINO keeps the file's input and output order but may report another alias of a tensor it merged
     # (16-bit QDQ stripping renames outputs): take the names from the file.
     graph = onnx.load(str(path), load_external_data=False).graph
+    return Runner("openvino", graph_input_names(graph), [o.name for o in graph.output], compiled)
+
+
+def graph_input_names(graph: onnx.GraphProto) -> list[str]:
+    """The inputs a caller feeds, in order: the graph inputs that are not initializers."""
     initializers = {t.name for t in graph.initializer}
-    inputs = [i.name for i in graph.input if i.name not in initializers]
-    outputs = [o.name for o in graph.output]
-    return Runner("openvino", inputs, outputs, compiled)
+    return [i.name for i in graph.input if i.name not in initializers]
 
 
 def open_runner(path: str | Path, runtime: str = "onnxruntime",

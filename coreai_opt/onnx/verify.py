@@ -38,7 +38,7 @@ from coreai_opt.onnx.localize import Divergence, localize_divergence
 from coreai_opt.onnx.output_steps import OutputStep, element_steps
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import QdqView
-from coreai_opt.onnx.runtimes import open_runner
+from coreai_opt.onnx.runtimes import graph_input_names, open_runner
 from coreai_opt.onnx.tolerance import OutputTolerance, derive_tolerances
 from coreai_opt.passes.sink_weight_quantizers import eager_order
 
@@ -316,8 +316,7 @@ def verify_onnx(
     check_verify_batches(model, batches)
     _refuse_empty(batches)
     graph_model = onnx.load(str(path), load_external_data=False)  # released before the eager forwards
-    initializers = {t.name for t in graph_model.graph.initializer}
-    file_inputs = [i.name for i in graph_model.graph.input if i.name not in initializers]
+    file_inputs = graph_input_names(graph_model.graph)
     steps = _output_steps(graph_model)
     del graph_model
     for i, batch in enumerate(batches):  # before the eager forward, which would fail with torch's own TypeError
