@@ -47,7 +47,6 @@ node at once. Ops left float get a reason in
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -56,6 +55,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import GraphModule, Node
 
+from coreai_opt.passes.activation_ranges import edge_request_spec, fixed_range_spec
 from coreai_opt.passes.graph_attrs import get_attr_value, node_shape
 from coreai_opt.passes.node_meta import (
     Annotation,
@@ -72,7 +72,6 @@ from coreai_opt.passes.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.passes.pass_result import PassResult
 from coreai_opt.passes.shape_queries import value_users
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, PerBlock, PerChannel, QuantizationSpec
-from coreai_opt.quantization.spec.qparams_math import compute_qparams
 
 __all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate", "Resolver"]
 
@@ -99,7 +98,7 @@ class _Pattern:
     fuse_activation: bool = False
     float_range: tuple[float, float] | None = None
     share_inputs: bool = False
-    power_of_two_step: bool = False  # shrink the fixed range so an integer step is 2^-k (see _fixed)
+    power_of_two_step: bool = False  # shrink the fixed range so an integer step is 2^-k (see activation_ranges)
 
     @property
     def reads_config(self) -> bool:
@@ -164,44 +163,6 @@ def _map_weight_spec(spec: QuantizationSpec, axes: dict[int, int], shape: tuple[
     real = real % len(shape) if -len(shape) <= real < len(shape) else real
     mapped = PerChannel(real) if isinstance(g, PerChannel) else PerBlock(real, g.block_size)
     return spec.model_copy(update={"granularity": mapped})
-
-
-def _power_of_two_step(spec: QuantizationSpec, float_range: tuple[float, float]) -> tuple[float, float]:
-    """Shrink ``float_range``'s upper end so that an integer dtype's step is exactly a power of two.
-
-    onnxruntime's ``QLinearSoftmax`` requantizes with the factor ``floor(1 / y_scale)``: for ``[0, 1]`` in
-    uint8, ``y_scale = float32(1/255)`` and ``1 / y_scale = 254.99998``, so every probability would come out
-    scaled by 254/255 (one step off near 1) while the eager model rounds ``p / y_scale``. With
-    ``y_scale = 2^-8`` (range ``[0, 255/256]``) the factor is exactly 256 and both compute the same grid; the
-    largest probability loses at most one step of 1/256 to clamping. Float dtypes keep the range.
-
-    Math: with ``lo = 0`` the step is ``s(hi) = hi / L`` for a dtype constant ``L`` (255 for asymmetric uint8,
-    127.5 for symmetric int8), so ``hi' = 2^floor(log2(hi / L)) · L`` gives the power-of-two step
-    ``s(hi') = 2^floor(log2(hi / L))``. The result is checked; if it is not exact the range is kept.
-    """
-    if spec.dtype_info.is_float or float_range[0] != 0.0:
-        return float_range
-    high = float_range[1]
-
-    def step_of(upper: float) -> float:
-        return float(compute_qparams(torch.tensor(0.0), torch.tensor(upper), spec.dtype_info, spec.qscheme).scale)
-
-    levels = round(2.0 * high / step_of(high)) / 2.0  # 255 (asymmetric uint8) or 127.5 (symmetric int8): exact
-    target = 2.0 ** math.floor(math.log2(high / levels))
-    upper = target * levels  # a power of two times a (half-)integer: exact in float32
-    return (0.0, upper) if step_of(upper) == target else float_range
-
-
-def _fixed(spec: QuantizationSpec, float_range: tuple[float, float], power_of_two_step: bool = False
-           ) -> QuantizationSpec:
-    if spec.float_range is not None:
-        return spec
-    if power_of_two_step:
-        float_range = _power_of_two_step(spec, float_range)
-    try:
-        return QuantizationSpec.from_dict({**spec.to_dict(), "float_range": list(float_range)})
-    except ValueError:  # e.g. a stateless calculator: keep observing
-        return spec
 
 
 def _label(node: Node) -> str:
@@ -284,8 +245,8 @@ class _Matcher:
                     if resolved.weight is not None:
                         spec = self.weight_spec(node, arg, resolved.weight, _MATMUL_AXES[index])
                         inputs += [(arg, spec)] if spec else []
-        if pattern.inputs and act is not None:
-            inputs += [(a, QuantSpec(act, Role.ACTIVATION)) for a in data]
+        if pattern.inputs and act is not None:  # each input keeps its producer's range (activation_ranges)
+            inputs += [(a, QuantSpec(edge_request_spec(act, self.specs(a).activation), Role.ACTIVATION)) for a in data]
         if pattern.weight_axes is not None and isinstance(weight_node, Node):
             if resolved.weight is None:
                 reason = f"{_label(node)} weight left float: no weight spec ({resolved.source})"
@@ -302,8 +263,9 @@ class _Matcher:
         if pattern.output == "own" and act is not None and produces_float:
             out_spec = act
             if pattern.float_range and self.fixed_range_outputs:
-                out_spec = _fixed(act, pattern.float_range, pattern.power_of_two_step)
-            refines = act if out_spec != act else None  # readers asking for ``act`` share the fixed range
+                out_spec = fixed_range_spec(act, pattern.float_range, pattern.power_of_two_step)
+            # readers asking for the same spec without the range (the producer's range is the tensor's) share it
+            refines = None if out_spec.float_range is None else out_spec.model_copy(update={"float_range": None})
             users = value_users(node)  # x.shape / x.ndim readers do not block the fusion
             if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
                     and users[0].args and users[0].args[0] is node:

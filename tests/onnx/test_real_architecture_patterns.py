@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import coreai_opt as co
+from coreai_opt.config import OpConfig
 from coreai_opt.onnx.verify import VerificationReport
 from coreai_opt.passes.annotate import PATTERNS, _Pattern
 from coreai_opt.passes.op_kinds import OpKind
@@ -209,6 +210,55 @@ def test_squeeze_excite_gate_is_calibrated_inside_zero_one_and_beats_the_fixed_r
     assert results[True][0] == pytest.approx(1 / 255, rel=1e-6)
     assert results[False][1] > results[True][1] + 3.0  # the gate's own error: a 0.62x step, about 4 dB
     assert results[False][2] >= results[True][2]  # the whole model: 36.60 vs 36.59 dB here (the gate is not its limit)
+
+
+def test_a_range_configured_on_sigmoid_fixes_its_output_not_the_pre_activation_it_reads(tmp_path):
+    """``set_op_kind("sigmoid", activation with float_range=(0, 1))`` describes the gate, not the logits feeding it.
+
+    Before, the op's activation spec also served its input edge, so the logits were clamped to [0, 1] in a
+    quantizer of their own (the model fell from 36.6 to 22.1 dB, verify_onnx ok: a silent wrong result).
+    """
+    torch.manual_seed(0)
+    model = _SqueezeExcite().eval()
+    batches = [(torch.randn(4, 3, 8, 8),) for _ in range(4)]
+    cfg = co.QuantizerConfig.presets.w8a8()
+    gate_spec = cfg.activation.model_copy(update={"float_range": (0.0, 1.0)})
+    cfg.set_op_kind("sigmoid", OpConfig(activation=gate_spec))
+    prepared = co.prepare(model, cfg, batches[0])
+    co.calibrate(prepared, batches, progress=False)
+    converted = co.convert(prepared)
+    fixed = {name: fq.spec.float_range for name, fq in converted.named_modules()
+             if name.endswith("_fq") and getattr(fq, "spec", None) is not None and fq.spec.float_range is not None}
+    assert fixed == {"sigmoid_output_fq": (0.0, 1.0)}  # one fixed quantizer: the gate; no split-off input copy
+    sigmoid = next(n for n in converted.graph.nodes if n.target is torch.sigmoid)
+    logits_fq = dict(converted.named_modules())[sigmoid.args[0].target]
+    with torch.no_grad():
+        logits = torch.cat([model.expand(F.silu(model.reduce(model.conv(x).mean((2, 3), keepdim=True))))
+                            for x, in batches])
+        outputs = torch.cat([model(x) for x, in batches]), torch.cat([converted(x) for x, in batches])
+    scale = float(logits_fq.calculator.scale)
+    assert scale == pytest.approx(float(logits.max() - logits.min()) / 255, rel=0.02)  # calibrated on the logits
+    assert float(logits.min()) < -0.4  # [-0.47, 0.49]: clamped to [0, 1], every negative logit became 0
+    assert _sqnr_db(*outputs) > 35.0  # 36.6 dB, as with the calibrated gate (22.1 dB with the clamped logits)
+    path = tmp_path / "gate.onnx"
+    co.export_onnx(converted, batches[0], path)
+    assert co.verify_onnx(converted, path, batches).ok
+
+
+def test_a_global_float_range_still_fixes_every_activation_the_graph_input_included():
+    """A global ``float_range`` is every tensor's: the graph input's quantizer (read, not produced) keeps it too."""
+    cfg = co.QuantizerConfig.presets.w8a8()
+    cfg.activation = cfg.activation.model_copy(update={"float_range": (-4.0, 4.0)})
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    prepared = co.prepare(model, cfg, (torch.randn(2, 8),))
+    co.calibrate(prepared, [(torch.randn(2, 8),)], progress=False)
+    converted = co.convert(prepared)
+    ranges = {name: fq.spec.float_range for name, fq in converted.named_modules()
+              if name.endswith("_fq") and getattr(fq, "spec", None) is not None and fq.spec.dtype == "uint8"}
+    assert ranges and set(ranges.values()) == {(-4.0, 4.0)}, ranges
+    assert any(name.endswith("input_fq") for name in ranges), ranges
+    scales = [float(dict(converted.named_modules())[name].calculator.scale) for name in ranges]
+    assert scales == pytest.approx([8.0 / 255] * len(ranges))
 
 
 class _ClsHead(nn.Module):

@@ -65,7 +65,8 @@ class QuantizationSpec(BaseModel):
         granularity: :class:`PerTensor` (default), :class:`PerChannel` or :class:`PerBlock`, or their dicts.
         range_calculator: Range calculator key (``"minmax"``, ``"percentile"``, ``"mse"``, ``"entropy"``).
         qparams_calculator: ``"static"``, ``"moving_average"``, ``"global_minmax"`` or ``"dynamic"``.
-        float_range: Fixed ``(min, max)`` overriding the observed range; ``None`` ends are observed.
+        float_range: Fixed ``(min, max)`` overriding the observed range; ``None`` ends are observed. In a config
+            it describes the tensors the entry's ops produce (their outputs), not the inputs they read.
         averaging_constant: EMA weight ``c`` of ``moving_average``: ``m ← (1 − c)·m + c·batch``.
         percentile: Percentile kept by the ``"percentile"`` range calculator.
         num_bins: Histogram bins of the histogram range calculators.
