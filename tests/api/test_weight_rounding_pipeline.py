@@ -66,7 +66,7 @@ def test_gptq_calibration_is_repeatable_releases_the_hessians_and_leaves_the_mod
     model, data = _model(), _data()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prepared = co.prepare(model, _config("gptq"), (data[0],))
-    data_free = _roundings(prepared)  # before calibration: the data-free path (clip search)
+    data_free = _roundings(prepared)  # before calibration: the provisional round-to-nearest (GPTQ needs the Hessians)
     co.calibrate(prepared, data, progress=False)
     first = _roundings(prepared)
     assert prepared.fc1_weight_fq.rounding.statistics.xtx.numel() == 0  # released after use
