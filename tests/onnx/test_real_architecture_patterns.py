@@ -261,6 +261,44 @@ def test_a_global_float_range_still_fixes_every_activation_the_graph_input_inclu
     assert scales == pytest.approx([8.0 / 255] * len(ranges))
 
 
+class _WeightNormConv(nn.Module):
+    """wav2vec2 / HuBERT's positional conv: a grouped Conv1d whose weight is ``g · v / ‖v‖`` (weight_norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = nn.Conv1d(64, 64, 16, padding=8, groups=4)
+        self.conv = nn.utils.parametrizations.weight_norm(conv, dim=2)
+        self.head = nn.Conv1d(64, 4, 1)
+
+    def forward(self, x):
+        return self.head(F.gelu(self.conv(x)))
+
+
+def test_a_weight_norm_conv_weight_is_folded_into_int8_and_runs_as_qlinearconv(tmp_path):
+    """The weight is computed at run time (``ReduceL2 → Div → Mul`` on two parameters), 16 384 elements: too large
+    for the exporter's constant folding, so before the fold's ReduceL2 the conv stayed float (wav2vec2-style
+    corpus model: 22 integer kernels vs 23 for onnxruntime's quantize_static)."""
+    torch.manual_seed(0)
+    model = _WeightNormConv().eval()
+    batches = [(torch.randn(4, 64, 32),) for _ in range(4)]
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), batches[0])
+    co.calibrate(prepared, batches, progress=False)
+    converted = co.convert(prepared)
+    path = tmp_path / "weight_norm.onnx"
+    co.export_onnx(converted, batches[0], path)
+    proto = onnx.load(path)
+    ops = Counter(n.op_type for n in proto.graph.node)
+    assert ops["ReduceL2"] == 0 and ops["Max"] == 0  # the norm and the narrow-range clamp are in the codes
+    stored = next(numpy_helper.to_array(i) for i in proto.graph.initializer if i.name.endswith("original1_quantized"))
+    weight_fq = dict(converted.named_modules())["conv_parametrizations_weight_0_output_fq"]
+    with torch.no_grad():
+        weight = model.conv.weight
+        codes = torch.round(weight_fq(weight) / weight_fq.calculator.scale.reshape(-1, 1, 1)).to(torch.int8).numpy()
+    assert stored.shape == (64, 16, 16) and int((stored != codes).sum()) == 0  # eager's codes, every one of them
+    report = co.verify_onnx(converted, path, batches)
+    assert report.ok and report.fusion.integer_compute.get("QLinearConv") == 2, report.fusion
+
+
 class _ClsHead(nn.Module):
     """A BERT-style classification head: ``dense(dropout(x[:, 0]))`` after an encoder linear."""
 

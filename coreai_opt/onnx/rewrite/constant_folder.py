@@ -7,6 +7,11 @@ The arithmetic is onnxruntime's, so a folded value equals what the unfolded grap
   round to nearest even through ``ml_dtypes``. Per-tensor, per-axis and blocked (``block_size``) scales.
 * ``Div``/``Mul``/``Add``/``Sub`` in the inputs' dtype (IEEE float32, as in onnxruntime), ``Round`` half to even,
   ``Cast``, ``Clip``, ``Identity``, ``Reshape``, ``Gather`` and ``Unsqueeze`` (data movement: exact).
+* ``ReduceL2`` (a weight-norm parametrization's ``‖v‖``, ``w = g · v / ‖v‖``): ``sqrt(Σ x²)`` accumulated in
+  float64 and rounded once to float32, the correctly rounded norm. onnxruntime's float32 sum (and torch's, in the
+  eager model) may differ from it in the last bit, as they differ from each other: this fold is the one step that
+  is not bit-identical to the unfolded graph, and a stored weight code can move by one where ``w / s`` sits
+  within that last bit of a rounding tie.
 
 Anything else, or a non-float32 ``QuantizeLinear`` input, is not evaluated; :attr:`ConstantFolder.refusal` then
 says why when the refusing op had constant inputs. Values the graph lists in ``OnnxGraph.precomputed`` (large
@@ -132,6 +137,21 @@ def _gather(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | str:
     return np.take(data, np.where(indices < 0, indices + size, indices).astype(np.int64), axis=axis)
 
 
+def _reduce_l2(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | str:
+    x = inputs[0]
+    if x.dtype != np.float32:
+        return f"its ReduceL2 of {x.dtype} is left to onnxruntime"
+    attrs = attributes_of(node)
+    axes = attrs["axes"] if "axes" in attrs else (np.ravel(inputs[1]) if len(inputs) > 1 and inputs[1] is not None
+                                                  else [])  # opset >= 18: an input
+    axes = tuple(int(a) % x.ndim for a in axes)
+    if not axes and attrs.get("noop_with_empty_axes", 0):
+        return x
+    keepdims = bool(attrs.get("keepdims", 1))
+    squares = np.square(x.astype(np.float64))
+    return np.sqrt(squares.sum(axis=axes or None, keepdims=keepdims)).astype(np.float32)
+
+
 def _unsqueeze(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray:
     x = inputs[0]
     attrs = attributes_of(node)
@@ -155,6 +175,7 @@ _EVALUATORS: dict[str, _Evaluator] = {
     "Reshape": _reshape,
     "Gather": _gather,
     "Unsqueeze": _unsqueeze,
+    "ReduceL2": _reduce_l2,
 }
 
 
