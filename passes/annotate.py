@@ -57,6 +57,7 @@ from torch.fx import GraphModule, Node
 
 from coreai_opt.passes.activation_ranges import edge_request_spec, fixed_range_spec
 from coreai_opt.passes.graph_attrs import get_attr_value, node_shape
+from coreai_opt.passes.identity_ops import skip_identities
 from coreai_opt.passes.node_meta import (
     Annotation,
     DerivedSpec,
@@ -266,9 +267,10 @@ class _Matcher:
                 out_spec = fixed_range_spec(act, pattern.float_range, pattern.power_of_two_step)
             # readers asking for the same spec without the range (the producer's range is the tensor's) share it
             refines = None if out_spec.float_range is None else out_spec.model_copy(update={"float_range": None})
-            users = value_users(node)  # x.shape / x.ndim readers do not block the fusion
+            tail = skip_identities(self.gm, node)  # conv → Identity → relu (timm's BatchNormAct2d) fuses too
+            users = value_users(tail)  # x.shape / x.ndim readers do not block the fusion
             if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
-                    and users[0].args and users[0].args[0] is node:
+                    and users[0].args and users[0].args[0] is tail:
                 self.fused[users[0]] = QuantSpec(out_spec, Role.ACTIVATION, refines=refines)
                 fused = f"{get_meta(users[0]).kind.value} '{users[0].name}'"
                 reason = reason or f"{_label(node)} output quantized after the fused {fused}"

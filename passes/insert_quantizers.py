@@ -29,11 +29,11 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
-from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from coreai_opt.passes.graph_attrs import node_shape
+from coreai_opt.passes.identity_ops import is_identity
 from coreai_opt.passes.node_meta import (
     DerivedSpec,
     NodeMeta,
@@ -84,24 +84,6 @@ def _unique(serves: str, used: set[str], *, per_tail: bool = False) -> str:
         serves = f"{stem}[{k}].{tail}"
     used.add(serves)
     return serves
-
-
-def _is_identity(gm: GraphModule, node: Node) -> bool:
-    """True for a node that returns its input tensor unchanged in the mode the graph is prepared in.
-
-    ``nn.Identity``; a dropout module (``nn.Dropout``, ``nn.Dropout2d``, ...) with ``p = 0`` or in eval mode; a
-    functional dropout called with ``training=False`` (``F.dropout(x, p, training=False)``, ``aten.dropout``).
-    A dropout that trains (QAT) scales the values kept by ``1 / (1 − p)``, off the grid, so it is not one.
-    """
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        if isinstance(module, nn.Identity):
-            return True
-        return isinstance(module, nn.modules.dropout._DropoutNd) and (module.p == 0 or not module.training)
-    if node.op == "call_function" and get_meta(node).kind is OpKind.DROPOUT:
-        training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
-        return training is False
-    return False
 
 
 def _insert_call(
@@ -163,7 +145,7 @@ class _Inserter:
         self.modules[id(group)] = (name, info)
         followers = self.plan.followers
         exits = [n for n in group.outputs if n in followers and tensor_info(n) is not None
-                 and not _is_identity(self.gm, n) and self.read_outside(n)]
+                 and not is_identity(self.gm, n) and self.read_outside(n)]
         for source in (sources + exits) if group.outputs else []:
             call = _insert_call(self.gm, name, source, (source,), info, after=True, source=source)
             source.replace_all_uses_with(call, delete_user_cb=lambda user, call=call: user is not call)
@@ -173,7 +155,7 @@ class _Inserter:
     def read_outside(self, node: Node) -> bool:
         """True when a node outside the group reads ``node``, directly or through identity members."""
         followers = self.plan.followers
-        return any(u not in followers or (_is_identity(self.gm, u) and self.read_outside(u)) for u in node.users)
+        return any(u not in followers or (is_identity(self.gm, u) and self.read_outside(u)) for u in node.users)
 
     def has_module(self, group: QuantizerGroup | None) -> bool:
         """True when ``group`` quantizes node outputs (its module is called after its sources)."""

@@ -52,6 +52,56 @@ def test_timm_batchnorm_act_folds_to_zero_batchnormalization_nodes_and_integer_c
     assert report.ok
 
 
+class _BatchNormDropAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d as shipped: ``bn → drop (nn.Identity unless drop_layer is set) → act``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.drop, self.act = nn.Identity(), nn.ReLU()
+
+    def forward(self, x):
+        torch._assert(x.ndim == 4, f"expected 4D input (got {x.ndim}D input)")
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return self.act(self.drop(x))
+
+
+class _InceptionBlock(nn.Module):
+    """Two ConvNormAct branches concatenated, as in timm's Inception-v3 ``Mixed`` blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.a_bn = nn.Conv2d(3, 8, 1, bias=False), _BatchNormDropAct(8)
+        self.b, self.b_bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), _BatchNormDropAct(8)
+        self.head = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.a_bn(self.a(x)), self.b_bn(self.b(x))], 1))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_relu_after_an_identity_still_fuses_so_the_conv_output_is_quantized_once_after_it(tmp_path, capture):
+    """conv → Identity → relu: the conv's output quantizer goes after the relu, as for conv → relu.
+
+    Before, the Identity hid the relu from the fusion: every conv output was quantized *before* the relu (half its
+    grid spent on negatives the relu then drops) and requantized after it. timm Inception-v3 (corpus): 19.7 dB
+    against onnxruntime quantize_static's 25.3 dB, 214 vs 125 activation QuantizeLinear.
+    """
+    torch.manual_seed(0)
+    model = randomize_batchnorm(_InceptionBlock()).eval()
+    batches = [(torch.randn(4, 3, 8, 8),) for _ in range(3)]
+    converted, report = _pipeline(model, batches, tmp_path / "m.onnx", capture)
+    quantizers = sorted(name for name, fq in converted.named_modules() if name.endswith("output_fq"))
+    assert not any(name.startswith(("a_output", "b_output")) for name in quantizers), quantizers  # none pre-relu
+    ops = _ops(tmp_path / "m.onnx")
+    # the input, the cat's shared quantizer after each relu and after the cat, the head's output (7 before: two
+    # pre-relu conv outputs more)
+    assert ops["QuantizeLinear"] == 5, dict(ops)
+    assert report.fusion.integer_compute == {"QLinearConv": 3} and report.ok
+    with torch.no_grad():
+        outputs = torch.cat([model(x) for x, in batches]), torch.cat([converted(x) for x, in batches])
+    assert _sqnr_db(*outputs) > 30.0
+
+
 @pytest.mark.parametrize(("capture", "mask"), [("fx", None), ("export", "bool"), ("fx", "causal")])
 def test_sdpa_runs_as_two_qlinearmatmuls_and_unmasked_softmax_as_qlinearsoftmax(tmp_path, capture, mask):
     torch.manual_seed(0)
