@@ -26,7 +26,7 @@ from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.quantization.spec.int8_compute import INT8_COMPUTE_QMAX
 from coreai_opt.quantization.spec.matmul_nbits_packing import PackedMatMulNBits, unpack_matmul_nbits
 
-__all__ = ["weight_column_max", "input_row_steps", "int8_step_units"]
+__all__ = ["file_weight", "weight_column_max", "input_row_steps", "int8_step_units"]
 
 
 def _node(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
@@ -37,8 +37,8 @@ def _node(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
     return node
 
 
-def weight_column_max(model: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
-    """``max_k |w[n, k]|`` per output column ``n`` of a ``MatMulNBits`` node of ``model`` (float64 ``[N]``)."""
+def file_weight(model: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
+    """The dequantized weight ``[N, K]`` (float32) of a ``MatMulNBits`` node of ``model``, from its initializers."""
     graph = OnnxGraph(model)
     attrs = {a.name: a.i for a in node.attribute}
     arrays = [graph.initializer(name) if name else None for name in list(node.input[1:4]) + [""] * 3][:3]
@@ -49,7 +49,12 @@ def weight_column_max(model: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarra
         raise ValueError(f"MatMulNBits {node.name!r}: zero points of type {zero_points.dtype} (this reader handles "
                          "the uint8 ones export_onnx writes)")
     packed = PackedMatMulNBits(b, scales, zero_points, attrs["K"], attrs["N"], attrs["bits"], attrs["block_size"])
-    return np.abs(unpack_matmul_nbits(packed)).max(axis=1).astype(np.float64)
+    return unpack_matmul_nbits(packed)
+
+
+def weight_column_max(model: onnx.ModelProto, node: onnx.NodeProto) -> np.ndarray:
+    """``max_k |w[n, k]|`` per output column ``n`` of a ``MatMulNBits`` node of ``model`` (float64 ``[N]``)."""
+    return np.abs(file_weight(model, node)).max(axis=1).astype(np.float64)
 
 
 def input_row_steps(a: np.ndarray, block_size: int) -> np.ndarray:
