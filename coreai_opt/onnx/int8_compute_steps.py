@@ -22,11 +22,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from coreai_opt.onnx.ort_kernels import is_int8_compute
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.quantization.spec.int8_compute import INT8_COMPUTE_QMAX
 from coreai_opt.quantization.spec.matmul_nbits_packing import PackedMatMulNBits, unpack_matmul_nbits
 
-__all__ = ["file_weight", "weight_column_max", "input_row_steps", "int8_step_units"]
+__all__ = ["file_weight", "weight_column_max", "input_row_steps", "int8_step_units", "int8_layer_inputs",
+           "beyond_int8_steps"]
 
 
 def _node(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
@@ -111,3 +113,22 @@ def int8_step_units(path: str | Path, layers: dict[str, str], feeds: Sequence[di
         index = tensors.index(node.input[0])
         units[output] = [input_row_steps(batch[index], block) * columns[name] for batch in values]
     return units
+
+
+def int8_layer_inputs(model: onnx.ModelProto) -> dict[str, str]:
+    """``{node name: its input A}`` of every int8-compute ``MatMulNBits`` of ``model``."""
+    return {node.name: node.input[0] for node in model.graph.node if is_int8_compute(node)}
+
+
+def beyond_int8_steps(model: onnx.ModelProto, layer: str, steps: int, a: np.ndarray,
+                      difference: np.ndarray) -> np.ndarray:
+    """``max(|Δ| − steps · u, 0)`` per element: what ``steps`` int8 steps of ``layer`` do not explain.
+
+    ``u`` comes from onnxruntime's input ``a`` of that layer (its largest value when the shapes differ).
+    """
+    node = _node(model, layer)
+    block = next(attr.i for attr in node.attribute if attr.name == "block_size")
+    unit = input_row_steps(a, block) * weight_column_max(model, node)
+    if unit.shape != difference.shape:
+        unit = np.full(difference.shape, float(unit.max(initial=0.0)))
+    return np.maximum(difference - (steps + 1e-3) * unit, 0.0)

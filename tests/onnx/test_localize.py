@@ -251,8 +251,12 @@ def test_int8_compute_decoder_with_a_5_percent_head_scale_error_fails_naming_the
     values[5] *= np.float32(1.05)  # one output column's weight 5 % too large
     scales.CopyFrom(numpy_helper.from_array(values.reshape(-1), scales.name))
     onnx.save(proto, str(tmp_path / "tampered.onnx"))
-    report = verify_onnx(model, tmp_path / "tampered.onnx", inputs, localize=False)
+    report = verify_onnx(model, tmp_path / "tampered.onnx", inputs)
     print(f"\n{report}")
     (logits,) = report.outputs
     assert not report.ok and logits.rule == "int8 compute" and head.name in logits.reason
-    assert logits.tolerance < logits.max_abs_diff < 0.02 * logits.reference_range
+    assert logits.tolerance < logits.max_abs_diff < 0.02 * logits.reference_range  # measured 0.0349 < 0.0861
+    # localize judges each layer beyond its int8 steps: the upstream layers' code flips are not divergences
+    divergence = report.divergence
+    assert divergence is not None and (divergence.kind, divergence.module) == ("layer", "head")
+    assert localize_divergence(model, path, inputs[0]) is None  # the file as written
