@@ -77,9 +77,9 @@ def test_divergence_reasons_are_classified_from_the_kernel_table() -> None:
     assert _classify(Counter(), model).startswith("every op between the boundaries is exact")
 
 
-def _int8_layer(src: str, out: str, name: str) -> onnx.NodeProto:
+def _int8_layer(src: str, out: str, name: str, k: int = 8) -> onnx.NodeProto:
     return helper.make_node("MatMulNBits", [src, "b", "s"], [out], name=f"{name}_int8_emulated", domain="com.microsoft",
-                            K=8, N=8, bits=8, block_size=16, accuracy_level=4)
+                            K=k, N=8, bits=8, block_size=16, accuracy_level=4)
 
 
 def _int8_model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> onnx.ModelProto:
@@ -126,3 +126,14 @@ def test_16_bit_quantizers_before_an_int8_compute_layer_add_no_int8_step_but_8_b
     # Softmax -> Q rounds once (1 quantizer step); int8 codes: +1 for the inexact input, + that step if 8-bit
     assert (fine.rule, fine.steps, fine.rounds) == ("int8 compute", 1, 1)  # + 1 step of the output quantizer
     assert (coarse.rule, coarse.steps, coarse.rounds) == ("int8 compute", 2, 1)
+
+
+def test_an_int8_compute_layer_with_k_above_256_on_the_path_falls_back_to_underived_and_says_why() -> None:
+    nodes = [helper.make_node("Softmax", ["x"], ["p"]), _int8_layer("p", "h", "wide", k=512),
+             helper.make_node("Tanh", ["h"], ["t"]), _int8_layer("t", "y", "narrow")]
+    (tol,) = derive_tolerances(_int8_model(nodes, []), set()).values()
+    assert (tol.rule, tol.relative) == ("underived", UNDERIVED_RELATIVE)
+    assert "K = 512 > 256" in tol.reason
+    nodes[1] = _int8_layer("p", "h", "wide", k=256)
+    (tol,) = derive_tolerances(_int8_model(nodes, []), set()).values()
+    assert (tol.rule, tol.steps) == ("int8 compute", 2)
