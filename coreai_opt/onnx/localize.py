@@ -10,7 +10,9 @@ Boundaries, in the exported graph's order:
   output against ``round(eager / scale) + zero_point``.
 * **layers** (only when the file has no activation quantizer, e.g. weight-only presets): the output of each
   weighted module (``nn.Linear``, ``nn.Conv*``, ...) call, eager from a forward hook, ONNX from the last node of
-  that module's ``namespace`` scope; compared in float, relative to the eager range.
+  that module's ``namespace`` scope; compared in float, relative to the eager range. Behind an int8-compute
+  ``MatMulNBits`` only the part of the difference its derived int8 steps do not explain counts (rule
+  ``"int8 compute"`` of :mod:`coreai_opt.onnx.tolerance`), so a flipped input code is not a divergence.
 
 onnxruntime computes them from a copy of the file with those tensors added as graph outputs. Adding an output can
 change onnxruntime's fusions; :attr:`Divergence.fusions_unchanged` records whether the instrumented copy's
@@ -44,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.fusion_report import optimized_model
+from coreai_opt.onnx.int8_compute_steps import beyond_int8_steps, int8_layer_inputs
 from coreai_opt.onnx.ort_kernels import Status, kernel_numerics
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.tolerance import FLOAT_PRECISION, tensor_bounds
@@ -343,11 +346,15 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
     boundaries = [b for b in boundaries if b.tensor in eager]
     if not boundaries:
         return None
+    int8_inputs = int8_layer_inputs(exported) if kind == "layer" else {}
+    tensors = list(dict.fromkeys([b.tensor for b in boundaries] + list(int8_inputs.values())))
     with tempfile.TemporaryDirectory(prefix="coreai_opt_localize_") as tmp:
-        instrumented = _instrumented(exported, [b.tensor for b in boundaries], Path(tmp))
+        instrumented = _instrumented(exported, tensors, Path(tmp))
         session = ort.InferenceSession(str(instrumented), providers=list(providers))
         names = [i.name for i in session.get_inputs()]
-        values = session.run([b.tensor for b in boundaries], {n: t.numpy() for n, t in zip(names, batch, strict=True)})
+        computed = dict(zip(tensors, session.run(tensors, {n: t.numpy() for n, t in zip(names, batch, strict=True)}),
+                            strict=True))
+        values = [computed[b.tensor] for b in boundaries]
         optimized = optimized_model(instrumented, "all")
         unchanged = _kernel_counts(instrumented) == _kernel_counts(path)
     bounds = tensor_bounds(optimized)
@@ -360,7 +367,12 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
             difference, allowed = _steps_apart(b, ref, got), float(bounds[b.tensor].steps)
         else:
             span = float(ref.max() - ref.min()) if ref.numel() else 0.0
-            difference = float(np.abs(got.astype(np.float64) - ref.double().numpy()).max()) / max(span, 1e-12)
+            apart = np.abs(got.astype(np.float64) - ref.double().numpy())
+            layer = bounds[b.tensor].int8_layer if b.tensor in bounds else None
+            if layer and layer in int8_inputs:  # behind int8 compute: only what its int8 steps do not explain
+                apart = beyond_int8_steps(exported, layer, bounds[b.tensor].int8_steps,
+                                          computed[int8_inputs[layer]], apart)
+            difference = float(apart.max(initial=0.0)) / max(span, 1e-12)
             allowed = FLOAT_PRECISION
         if difference > allowed + 1e-3 * (kind == "quantizer"):
             kernels = _local_kernels(optimized, b.tensor, tensors - {b.tensor})

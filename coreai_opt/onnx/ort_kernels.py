@@ -31,7 +31,7 @@ import onnx
 
 from coreai_opt.onnx.matmul_nbits_weight import INT8_EMULATED_SUFFIX
 
-__all__ = ["Status", "KernelNumerics", "KERNELS", "kernel_numerics"]
+__all__ = ["Status", "KernelNumerics", "KERNELS", "kernel_numerics", "is_int8_compute"]
 
 
 class Status(str, Enum):
@@ -154,3 +154,8 @@ def kernel_numerics(node: onnx.NodeProto) -> KernelNumerics | None:
             emulated = level == INT8_COMPUTE_ACCURACY_LEVEL and node.name.endswith(INT8_EMULATED_SUFFIX)
             return _MATMULNBITS_INT8_EMULATED if emulated else _MATMULNBITS_INT8_ENTRY
     return entry
+
+
+def is_int8_compute(node: onnx.NodeProto) -> bool:
+    """``node`` is an int8-compute ``MatMulNBits`` the eager model emulates (written for ``matmul_compute='int8'``)."""
+    return kernel_numerics(node) is _MATMULNBITS_INT8_EMULATED

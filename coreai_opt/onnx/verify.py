@@ -34,12 +34,13 @@ from torch import nn
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.fusion_report import FusionReport, fusion_report, optimized_model
 from coreai_opt.onnx.input_validation import check_verify_batches
+from coreai_opt.onnx.int8_compute_steps import int8_step_units
 from coreai_opt.onnx.localize import Divergence, localize_divergence
 from coreai_opt.onnx.output_steps import OutputStep, element_steps
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import QdqView
 from coreai_opt.onnx.runtimes import graph_input_names, open_runner
-from coreai_opt.onnx.tolerance import OutputTolerance, derive_tolerances
+from coreai_opt.onnx.tolerance import FLOAT_PRECISION, OutputTolerance, derive_tolerances
 from coreai_opt.passes.sink_weight_quantizers import eager_order
 
 __all__ = [
@@ -216,6 +217,10 @@ def _output_steps(model: onnx.ModelProto) -> dict[str, OutputStep]:
     return steps
 
 
+def _feed(names: Sequence[str], batch: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
+    return {name: t.detach().cpu().numpy() for name, t in zip(names, batch, strict=True)}
+
+
 def _run_eager(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
     with torch.no_grad():
         outputs = model(*batch)
@@ -231,13 +236,25 @@ def _allowed(tolerance: OutputTolerance | None, step: OutputStep | None, ref_ran
         return steps, steps * float(np.max(step.scale))
     if tolerance.rule == "quantizer steps":
         return float("inf"), (tolerance.steps + _STEP_ROUNDING) * tolerance.source_step + FLOAT_ABSOLUTE_TOLERANCE
-    if tolerance.rule == "exact":
+    if tolerance.rule == "exact" or tolerance.relative is None:  # "int8 compute": per element (_int8_allowed)
         return float("inf"), 0.0
     return float("inf"), tolerance.relative * ref_range + FLOAT_ABSOLUTE_TOLERANCE
 
 
+def _int8_allowed(tolerance: OutputTolerance, step: OutputStep | None, units: list[np.ndarray],
+                  refs: list[np.ndarray], ref_range: float) -> list[np.ndarray]:
+    """Per element: ``steps · u + rounds · (quantizer step) + FLOAT_PRECISION · range`` (``"int8 compute"`` rule)."""
+    own = float(np.max(step.scale)) if step is not None else (tolerance.source_step or 0.0)
+    slack = tolerance.rounds * own + FLOAT_PRECISION * ref_range + FLOAT_ABSOLUTE_TOLERANCE
+    allowed = []
+    for unit, ref in zip(units, refs, strict=True):
+        unit = unit if unit.shape == ref.shape else np.full(ref.shape, float(unit.max(initial=0.0)))
+        allowed.append((tolerance.steps + _STEP_ROUNDING) * unit + slack)
+    return allowed
+
+
 def _compare(name: str, refs: list[np.ndarray], gots: list[np.ndarray], step: OutputStep | None,
-             tolerance: OutputTolerance | None = None) -> OutputComparison:
+             tolerance: OutputTolerance | None = None, units: list[np.ndarray] | None = None) -> OutputComparison:
     for ref, got in zip(refs, gots, strict=True):
         if ref.shape != got.shape:
             raise ValueError(f"output {name!r}: the runtime's shape {got.shape} differs from eager shape {ref.shape}")
@@ -251,7 +268,11 @@ def _compare(name: str, refs: list[np.ndarray], gots: list[np.ndarray], step: Ou
     if step is not None:
         own = [diff / element_steps(step, ref, got) for ref, got, diff in nonempty]
         max_steps = max((float(d.max()) for d in own), default=0.0)
-    if step is not None and np.isfinite(allowed_steps):
+    if tolerance is not None and tolerance.rule == "int8 compute" and units is not None:
+        allowed = _int8_allowed(tolerance, step, units, refs, ref_range)
+        ok = all(bool((diff <= a).all()) for diff, a in zip(diffs, allowed, strict=True))
+        tol = max((float(a.max()) for a in allowed if a.size), default=0.0)
+    elif step is not None and np.isfinite(allowed_steps):
         ok = max_steps <= allowed_steps
     else:
         ok = max_diff <= tol
@@ -333,8 +354,7 @@ def verify_onnx(
     refs: list[list[np.ndarray]] = [[] for _ in output_names]
     gots: list[list[np.ndarray]] = [[] for _ in output_names]
     for i, batch in enumerate(batches):
-        feed = {name: t.detach().cpu().numpy() for name, t in zip(input_names, batch, strict=True)}
-        onnx_out = runner.run(feed)
+        onnx_out = runner.run(_feed(input_names, batch))
         if len(eager[i]) != len(onnx_out):
             raise ValueError(f"the eager model returned {len(eager[i])} output(s), the ONNX model {len(onnx_out)}")
         for k, (ref, got) in enumerate(zip(eager[i], onnx_out, strict=True)):
@@ -342,8 +362,11 @@ def verify_onnx(
             gots[k].append(got)
     del runner, eager  # the sessions below load the file again: never hold two copies of its weights at once
     tolerances = derive_tolerances(optimized_model(path, "all"), set(steps))
+    layers = {name: t.int8_layer for name, t in tolerances.items() if t.rule == "int8 compute" and t.int8_layer}
+    units = int8_step_units(path, layers, [_feed(input_names, b) for b in batches], providers) if layers else {}
     outputs = tuple(
-        _compare(name, refs[k], gots[k], steps.get(name), tolerances.get(name)) for k, name in enumerate(output_names)
+        _compare(name, refs[k], gots[k], steps.get(name), tolerances.get(name), units.get(name))
+        for k, name in enumerate(output_names)
     )
     num_samples = sum(int(b[0].shape[0]) if b[0].dim() else 1 for b in batches)
     divergence = None

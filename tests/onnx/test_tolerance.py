@@ -7,7 +7,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from coreai_opt.onnx.output_steps import OutputStep, element_steps
-from coreai_opt.onnx.tolerance import FLOAT_PRECISION, derive_tolerances
+from coreai_opt.onnx.tolerance import FLOAT_PRECISION, UNDERIVED_RELATIVE, derive_tolerances
 
 
 def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> onnx.ModelProto:
@@ -75,3 +75,65 @@ def test_divergence_reasons_are_classified_from_the_kernel_table() -> None:
     requantizing = _classify(Counter({"QLinearConv": 1, "Conv": 1}), model)
     assert requantizing == "a kernel's requantisation rounding (QLinearConv)"
     assert _classify(Counter(), model).startswith("every op between the boundaries is exact")
+
+
+def _int8_layer(src: str, out: str, name: str, k: int = 8) -> onnx.NodeProto:
+    return helper.make_node("MatMulNBits", [src, "b", "s"], [out], name=f"{name}_int8_emulated", domain="com.microsoft",
+                            K=k, N=8, bits=8, block_size=16, accuracy_level=4)
+
+
+def _int8_model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> onnx.ModelProto:
+    model = _model(nodes, inits)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def test_int8_compute_layer_counts_one_int8_step_per_layer_after_float_ops_and_names_the_last() -> None:
+    bias = numpy_helper.from_array(np.ones(8, np.float32), "bias")
+    nodes = [helper.make_node("Softmax", ["x"], ["p"]), _int8_layer("p", "h", "first"),
+             helper.make_node("Tanh", ["h"], ["t"]), _int8_layer("t", "m", "second"),
+             helper.make_node("Add", ["m", "bias"], ["y"])]
+    (tol,) = derive_tolerances(_int8_model(nodes, [bias]), set()).values()
+    assert (tol.rule, tol.steps, tol.int8_layer, tol.rounds) == ("int8 compute", 2, "second_int8_emulated", 0)
+    assert "2 int8 step(s) of second_int8_emulated" in tol.reason and "not derived" not in tol.reason
+
+
+def test_int8_compute_layer_fed_by_exact_ops_only_allows_zero_steps() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), _int8_layer("r", "y", "only")]
+    (tol,) = derive_tolerances(_int8_model(nodes, []), set()).values()
+    assert (tol.rule, tol.steps) == ("int8 compute", 0)  # same A bits, same codes: float accumulation only
+
+
+def test_float_layers_after_an_int8_compute_layer_are_underived_and_say_so() -> None:
+    nodes = [helper.make_node("Softmax", ["x"], ["p"]), _int8_layer("p", "h", "first"),
+             helper.make_node("Softmax", ["h"], ["y"])]
+    (tol,) = derive_tolerances(_int8_model(nodes, []), set()).values()
+    assert (tol.rule, tol.relative, tol.int8_layer) == ("underived", UNDERIVED_RELATIVE, None)
+    assert "int8-compute MatMulNBits" in tol.reason and "gain is not derived" in tol.reason
+
+
+def test_16_bit_quantizers_before_an_int8_compute_layer_add_no_int8_step_but_8_bit_ones_do() -> None:
+    def tolerance(zero_point: np.ndarray) -> object:
+        inits = [numpy_helper.from_array(np.array(0.01, np.float32), "as"), numpy_helper.from_array(zero_point, "az")]
+        nodes = [helper.make_node("Softmax", ["x"], ["p"]),
+                 helper.make_node("QuantizeLinear", ["p", "as", "az"], ["pq"]),
+                 helper.make_node("DequantizeLinear", ["pq", "as", "az"], ["pd"]), _int8_layer("pd", "h", "layer")]
+        nodes += _qdq("h", "o", "y")
+        (tol,) = derive_tolerances(_int8_model(nodes, inits + _qparams("o")), {"y"}).values()
+        return tol
+
+    fine, coarse = tolerance(np.array(0, np.uint16)), tolerance(np.array(128, np.uint8))
+    # Softmax -> Q rounds once (1 quantizer step); int8 codes: +1 for the inexact input, + that step if 8-bit
+    assert (fine.rule, fine.steps, fine.rounds) == ("int8 compute", 1, 1)  # + 1 step of the output quantizer
+    assert (coarse.rule, coarse.steps, coarse.rounds) == ("int8 compute", 2, 1)
+
+
+def test_an_int8_compute_layer_with_k_above_256_on_the_path_falls_back_to_underived_and_says_why() -> None:
+    nodes = [helper.make_node("Softmax", ["x"], ["p"]), _int8_layer("p", "h", "wide", k=512),
+             helper.make_node("Tanh", ["h"], ["t"]), _int8_layer("t", "y", "narrow")]
+    (tol,) = derive_tolerances(_int8_model(nodes, []), set()).values()
+    assert (tol.rule, tol.relative) == ("underived", UNDERIVED_RELATIVE)
+    assert "K = 512 > 256" in tol.reason
+    nodes[1] = _int8_layer("p", "h", "wide", k=256)
+    (tol,) = derive_tolerances(_int8_model(nodes, []), set()).values()
+    assert (tol.rule, tol.steps) == ("int8 compute", 2)

@@ -17,7 +17,7 @@ from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
 from coreai_opt.quantization.spec.int8_compute import accumulation_bound, int8_compute_activation
 from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation
 from coreai_opt.quantization.spec.matmul_compute import block_size_problem, matmul_nbits_block_size
-from coreai_opt.quantization.spec.matmul_nbits_packing import pack_matmul_nbits
+from coreai_opt.quantization.spec.matmul_nbits_packing import pack_matmul_nbits, unpack_matmul_nbits
 
 _RANGES = {"int4": (-8, 7, 4, True), "uint4": (0, 15, 4, False), "int8": (-128, 127, 8, True),
            "uint8": (0, 255, 8, False)}
@@ -76,6 +76,17 @@ def test_packed_matmul_nbits_equals_the_eager_linear_within_float_accumulation(
     if accuracy_level == 4:  # the emulation is what makes them agree: plain float is far off
         plain = (torch.from_numpy(a) @ weight.T).double().numpy()
         assert np.abs(got - plain).max() > 10 * accumulation_bound(x, weight).numpy().max()
+
+
+@pytest.mark.parametrize(("dtype", "k", "granularity", "asymmetric"), CASES)
+def test_unpack_matmul_nbits_returns_the_packed_weight_bit_for_bit(dtype: str, k: int, granularity,
+                                                                   asymmetric: bool) -> None:
+    rng = np.random.default_rng(3 * k + len(dtype))
+    block = matmul_nbits_block_size(granularity, k)
+    packed, weight = _weight(dtype, 7, k, block, asymmetric, rng)
+    unpacked = unpack_matmul_nbits(packed)
+    assert unpacked.shape == (7, k) and unpacked.dtype == np.float32
+    assert np.array_equal(unpacked, weight.numpy())  # (q - z) * s in float32, as onnxruntime dequantizes
 
 
 def test_block_size_rule_for_per_channel_weights_and_the_limits_of_int8_compute() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PackedMatMulNBits", "pack_matmul_nbits"]
+__all__ = ["PackedMatMulNBits", "pack_matmul_nbits", "unpack_matmul_nbits"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,33 @@ def pack_matmul_nbits(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray |
             zero_points = _pack_nibbles(even).reshape(-1)
     return PackedMatMulNBits(np.ascontiguousarray(b), scale.astype(np.float32).reshape(-1), zero_points, k, n, bits,
                              block_size)
+
+
+def _unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_pack_nibbles`: two unsigned 4-bit values per byte, low nibble first."""
+    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def unpack_matmul_nbits(packed: PackedMatMulNBits) -> np.ndarray:
+    """The dequantized weight ``W = (q − zero_point) · scale``, ``[N, K]`` float32, of packed ``MatMulNBits`` inputs.
+
+    Args:
+        packed: ``B`` / ``scales`` / ``zero_points`` as :func:`pack_matmul_nbits` writes them (or as read from a
+            file's ``MatMulNBits`` node with uint8 zero points).
+
+    Returns:
+        ``W`` as onnxruntime dequantizes it (float32 products of the unsigned codes minus the zero point).
+    """
+    n, k, bits, block = packed.n, packed.k, packed.bits, packed.block_size
+    blocks = -(-k // block)
+    b = packed.b.reshape(n, blocks, -1).astype(np.uint8)
+    codes = (b if bits == 8 else _unpack_nibbles(b)).astype(np.int64)
+    if packed.zero_points is None:
+        zp = np.full((n, blocks), 1 << (bits - 1), np.int64)
+    elif bits == 8:
+        zp = packed.zero_points.reshape(n, blocks).astype(np.int64)
+    else:
+        zp = _unpack_nibbles(packed.zero_points.reshape(n, -1).astype(np.uint8))[:, :blocks].astype(np.int64)
+    scale = packed.scales.reshape(n, blocks).astype(np.float32)
+    weight = (codes - zp[..., None]).astype(np.float32) * scale[..., None]
+    return weight.reshape(n, blocks * block)[:, :k]
