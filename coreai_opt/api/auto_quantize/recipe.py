@@ -212,13 +212,21 @@ def auto_quantize(
         raise ValueError(f"no quantized candidate among {list(candidates)} is faster than float on any layer kind "
                          f"according to the cost table {table.key!r}; add 'static' or 'dynamic' to candidates")
     errors: dict[str, list[float | None]] = {}
+    refused: dict[str, str] = {}
     ranges: dict[str, str] = {}
     units: list[Unit] = []
     references: list[torch.Tensor] = []
     bar = tqdm(total=None, disable=not progress, desc="auto_quantize", leave=False)
     try:
         for c in measured:
-            prepared = _prepare(base, _uniform_config(c), example_inputs, example_kwargs, capture)
+            try:
+                prepared = _prepare(base, _uniform_config(c), example_inputs, example_kwargs, capture)
+            except ValueError as refusal:  # MatMulNBits cannot hold some layer (e.g. a weight computed in forward)
+                if c != "int8_compute" or not units:
+                    raise
+                refused[c] = str(refusal)
+                bar.update(len(units))
+                continue
             if not units:
                 units = find_units(prepared)
                 if not units:
@@ -269,7 +277,7 @@ def auto_quantize(
     converted = convert(prepared)
     report = _report(units, choices, options, ranges, alphas, table, max_error, error, source,
                      getattr(metric_fn, "__name__", type(metric_fn).__name__), tuple(rounds),
-                     time.perf_counter() - start, tuple(units[i].label for i in behind_static))
+                     time.perf_counter() - start, tuple(units[i].label for i in behind_static), refused)
     return AutoQuantizeResult(converted, config, base, capture, report)
 
 
@@ -334,7 +342,7 @@ def _options(units: Sequence[Unit], candidates: Sequence[str], errors: dict[str,
 def _report(units: Sequence[Unit], choices: Sequence[str], options: Sequence[dict[str, Option]],
             ranges: dict[str, str], alphas: dict[str, float], table: CostTable, max_error: float, error: float,
             source: str, metric: str, rounds: tuple[SearchRound, ...], seconds: float,
-            behind_static: tuple[str, ...] = ()) -> AutoQuantizeReport:
+            behind_static: tuple[str, ...] = (), refused: dict[str, str] | None = None) -> AutoQuantizeReport:
     rows = []
     for unit, choice, opts in zip(units, choices, options, strict=True):
         alpha = next((alphas[n] for n in unit.names if n in alphas), None)
@@ -346,7 +354,8 @@ def _report(units: Sequence[Unit], choices: Sequence[str], options: Sequence[dic
         if all(c in o or "float" in o for o in options):
             reference[c] = sum((o[c] if c in o else o["float"]).latency_us for o in options)
     notes = []
-    skipped = [c for c in CANDIDATES if c != "float" and not any(c in o for o in options)]
+    notes += [f"not measured: {c} (prepare refused it: {why})" for c, why in (refused or {}).items()]
+    skipped = [c for c in CANDIDATES if c != "float" and not any(c in o for o in options) and c not in (refused or {})]
     if skipped:
         notes.append(f"not measured: {', '.join(skipped)} (not allowed, or its cost-table line is nowhere below "
                      "float's, so float, with zero error, is always at least as good)")

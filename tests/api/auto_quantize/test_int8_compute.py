@@ -246,3 +246,29 @@ def test_the_cost_table_graph_of_int8_compute_is_the_exported_kernel_and_compute
         # (~1e-6 relative), where the unquantized x is ~1e-2 relative away
         assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
         assert np.abs(x.astype(np.float64) @ weight.T - exact).max() > 1e-3 * np.abs(exact).max()
+
+
+class ScaledWeight(nn.Module):
+    """A linear whose weight is computed in ``forward`` (nothing for ``MatMulNBits`` to store)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16))
+        self.b = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.w * 2.0, self.b)
+
+
+def test_a_model_int8_compute_cannot_hold_is_searched_without_it_and_the_report_says_why():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), ScaledWeight()).eval()
+    batches = [torch.randn(4, 16) for _ in range(4)]
+    lines = {"float": (1.0, 10.0), "static": (0.0, 1e6), "int8_compute": (0.0, 1e7), "dynamic": (1.0, 10.0),
+             "int16": (1.0, 10.0)}
+    result = co.auto_quantize(model, batches, (batches[0],), candidates=("static", "int8_compute", "float"),
+                              cost_table=table(lines), max_error=1.0, smooth=False, progress=False)
+    assert result.report.counts() == {"static": 2}
+    assert all("int8_compute" not in u.alternatives for u in result.report.units)
+    assert any(n.startswith("not measured: int8_compute (prepare refused it: 2: matmul_compute='int8' needs a 2-D "
+                            "weight stored in the model") for n in result.report.notes)
