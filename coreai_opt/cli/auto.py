@@ -1,8 +1,8 @@
 """``quantize --auto [--max-error X]``: :func:`coreai_opt.auto_quantize` instead of one preset.
 
-Per linear / convolution the format (static int8, dynamic int8, int16 activations or float) with the lowest
-estimated onnxruntime latency whose measured output error fits ``--max-error`` (relative squared error on held-out
-calibration batches). Three files are written beside ``OUTPUT.onnx``:
+Per linear / convolution the format (static int8, dynamic int8, per-token int8 compute, int16 activations or float)
+with the lowest estimated onnxruntime latency whose measured output error fits ``--max-error`` (relative squared
+error on held-out calibration batches). Three files are written beside ``OUTPUT.onnx``:
 
 * ``OUTPUT.auto.txt``: the per-layer table (choice, error, latency, alternatives) and the search rounds;
 * ``OUTPUT.auto.json``: the same as JSON;

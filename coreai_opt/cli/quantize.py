@@ -98,8 +98,9 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argpa
                       "(minmax, percentile, mse, entropy) per quantizer by its output error")
     tune.add_argument("--keep-float-top", type=int, metavar="K", help="keep the K layers whose quantization hurts "
                       "the output most in float (measured by per-layer sensitivity)")
-    tune.add_argument("--auto", action="store_true", help="choose static / dynamic int8, int16 or float per layer by "
-                      "measured error and onnxruntime latency (co.auto_quantize; writes OUTPUT.auto.txt/.json/.yaml)")
+    tune.add_argument("--auto", action="store_true", help="choose static / dynamic / per-token int8, int16 or "
+                      "float per layer by measured error and onnxruntime latency (co.auto_quantize; writes "
+                      "OUTPUT.auto.txt/.json/.yaml)")
     tune.add_argument("--max-error", type=auto.parse_max_error, metavar="X", help="with --auto: the largest "
                       "relative squared output error on held-out calibration batches (default 0.003)")
     return parser

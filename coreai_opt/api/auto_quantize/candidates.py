@@ -1,16 +1,25 @@
 """The per-layer formats ``auto_quantize`` chooses from, and the config entry each one writes.
 
-========== ================================================================ =========================
-candidate  weight / input activation of the layer                           onnxruntime kernel
-========== ================================================================ =========================
-``static``  int8 per-channel / uint8 asymmetric per-tensor, calibrated      ``QGemm`` / ``QLinearConv``
-            range (the calculator ``search_calibration`` picked)
-``dynamic`` int8 per-channel / uint8 per-tensor from every tensor at run     ``DynamicQuantizeMatMul``
-            time (linears only)
-``int16``   int8 per-channel / uint16 asymmetric per-tensor, calibrated     float kernel between
-                                                                            16-bit ``Q → DQ``
-``float``   float / float                                                   float ``Gemm`` / ``Conv``
-========== ================================================================ =========================
+================ ============================================================= ===============================
+candidate        weight / input activation of the layer                        onnxruntime kernel
+================ ============================================================= ===============================
+``static``       int8 per-channel / uint8 asymmetric per-tensor, calibrated    ``QGemm`` / ``QLinearConv``
+                 range (the calculator ``search_calibration`` picked)
+``dynamic``      int8 per-channel / uint8 per-tensor from every tensor at run  ``DynamicQuantizeMatMul``
+                 time (linears only)
+``int8_compute`` int8 per-channel (stored in K blocks of at most 256) / int8 per ``MatMulNBits`` (``bits=8``,
+                 row and per K block (``amax / 127``) at run time, by the      ``accuracy_level=4``)
+                 kernel itself, emulated in eager (linears only;
+                 ``presets.w8(compute="int8")``)
+``int16``        int8 per-channel / uint16 asymmetric per-tensor, calibrated   float kernel between
+                                                                               16-bit ``Q → DQ``
+``float``        float / float                                                 float ``Gemm`` / ``Conv``
+================ ============================================================= ===============================
+
+``int8_compute`` is the per-token format: each row of the activation gets its own scale per block of ``K``, so
+an outlier token or channel costs only its own block's resolution, where ``dynamic`` shares one scale across the
+whole tensor. A linear whose input is already an 8-bit quantized tensor (the requantized output of a ``static``
+layer) runs no ``MatMulNBits``: the search never gives it ``int8_compute`` behind a ``static`` producer.
 
 A *unit* is a set of layers that read the same input tensor (attention's q / k / v projections, a ResNet block's
 first conv and its downsample): one tensor has one quantizer, so its readers take one candidate together.
@@ -37,7 +46,7 @@ class Candidate:
     """One format.
 
     Attributes:
-        name: Registry key (``"static"``, ``"dynamic"``, ``"int16"``, ``"float"``).
+        name: Registry key (``"static"``, ``"dynamic"``, ``"int8_compute"``, ``"int16"``, ``"float"``).
         layer_kinds: Layer kinds (``"linear"``, ``"conv"``) the format applies to.
         calibrated: True when its activation qparams come from calibration (needs the range calculator).
     """
@@ -51,6 +60,7 @@ class Candidate:
 CANDIDATES: dict[str, Candidate] = {
     "static": Candidate("static", frozenset({"linear", "conv"}), True),
     "dynamic": Candidate("dynamic", frozenset({"linear"}), False),
+    "int8_compute": Candidate("int8_compute", frozenset({"linear"}), False),
     "int16": Candidate("int16", frozenset({"linear", "conv"}), True),
     "float": Candidate("float", frozenset({"linear", "conv"}), False),
 }
@@ -91,6 +101,8 @@ def candidate_op_config(candidate: str, range_calculator: str = "minmax") -> OpC
         raise ValueError(f"unknown range calculator {range_calculator!r}; valid: {', '.join(ACTIVATION_RANGES)}")
     if candidate == "float":
         return None
+    if candidate == "int8_compute":
+        return OpConfig(weight=QuantizerConfig.presets.w8(compute="int8").weight, activation=None)
     weight = QuantizerConfig.presets.w8a8().weight
     if candidate == "dynamic":
         return OpConfig(weight=weight, activation=dynamic_activation_spec())

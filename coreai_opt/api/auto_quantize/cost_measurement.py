@@ -2,7 +2,8 @@ r"""Measure the :class:`CostTable` of this machine with onnxruntime micro-benchm
 
 For every kernel kind (see :mod:`coreai_opt.api.auto_quantize.cost_table`) a one-layer ONNX graph in the form
 our exporter writes (``Q → DQ → Gemm/Conv ← DQ(int8 weight) → Q → DQ`` for static, the ``MatMulInteger`` form of
-:mod:`coreai_opt.onnx.dynamic_matmul` for dynamic) is run by onnxruntime at a few shapes; the median time ``t_i``
+:mod:`coreai_opt.onnx.dynamic_matmul` for dynamic, ``MatMulNBits(bits=8, accuracy_level=4) → Add(bias)`` with the
+export's block size for int8 compute) is run by onnxruntime at a few shapes; the median time ``t_i``
 of each shape with ``m_i`` multiply-accumulates is fitted by least squares::
 
     t_i ≈ overhead + m_i / throughput          (overhead ≥ 0, throughput > 0)
@@ -29,12 +30,14 @@ import numpy as np
 
 from coreai_opt.api.auto_quantize.cost_table import KERNEL_KINDS, CostTable, KernelCost
 from coreai_opt.error_boundary import public_api
+from coreai_opt.quantization.spec.matmul_compute import get_matmul_compute, matmul_nbits_block_size
+from coreai_opt.quantization.spec.matmul_nbits_packing import pack_matmul_nbits
 
 __all__ = ["FORMAT_VERSION", "LINEAR_SHAPES", "CONV_SHAPES", "cache_dir", "cache_path", "load_or_measure",
            "machine_key", "measure_cost_table"]
 
 #: Version of the measurement (graphs, shapes, fit); part of the cache file name.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: ``(tokens, in_features, out_features)`` timed per linear kind.
 LINEAR_SHAPES: tuple[tuple[int, int, int], ...] = ((8, 32, 32), (48, 128, 128), (48, 384, 384), (48, 384, 1536),
                                                    (48, 1536, 384))
@@ -116,15 +119,30 @@ def _dynamic_linear(w: np.ndarray, inits: list, nodes: list) -> None:
               helper.make_node("Add", ["yb", "b"], ["y"])]
 
 
+def _int8_compute_linear(w: np.ndarray, inits: list, nodes: list) -> None:
+    """``MatMulNBits(x, int8 W per block, accuracy_level=4) → Add(b)``, the block size the export writes."""
+    from onnx import helper
+
+    n, k = w.shape
+    block = matmul_nbits_block_size(None, k)
+    packed = pack_matmul_nbits(w.astype(np.int64), np.full((n, -(-k // block)), 0.01, np.float32), None, 8, True,
+                               block)
+    inits += [_init("w_nb", packed.b), _init("s_nb", packed.scales), _init("b", np.zeros(n, np.float32))]
+    nodes += [helper.make_node("MatMulNBits", ["x", "w_nb", "s_nb"], ["yb"], domain="com.microsoft", K=k, N=n,
+                               bits=8, block_size=block, accuracy_level=get_matmul_compute("int8").accuracy_level),
+              helper.make_node("Add", ["yb", "b"], ["y"])]
+
+
 def _graph(kind: str, shape: tuple[int, int, int], rng: np.random.Generator) -> tuple[object, np.ndarray, int]:
     """ONNX model, input array and MACs of one kernel kind at one shape."""
     from onnx import TensorProto, helper
 
-    family, fmt = kind.split("_")
+    family, fmt = kind.split("_", 1)
     act = np.uint16 if fmt == "int16" else np.uint8
     zero = np.array(128 if act is np.uint8 else 32768, act)
-    inits = [] if fmt in ("float", "dynamic") else [_init("s_x", np.array(0.05, np.float32)), _init("z_x", zero),
-                                                   _init("s_y", np.array(0.05, np.float32)), _init("z_y", zero)]
+    runtime_scaled = fmt in ("float", "dynamic", "int8_compute")  # no activation qparams in the graph
+    inits = [] if runtime_scaled else [_init("s_x", np.array(0.05, np.float32)), _init("z_x", zero),
+                                       _init("s_y", np.array(0.05, np.float32)), _init("z_y", zero)]
     nodes: list = []
     if family == "linear":
         m, k, n = shape
@@ -141,12 +159,16 @@ def _graph(kind: str, shape: tuple[int, int, int], rng: np.random.Generator) -> 
         nodes.append(helper.make_node(op, ["x", "w", "b"], ["y"], **attrs))
     elif fmt == "dynamic":
         _dynamic_linear(w, inits, nodes)
+    elif fmt == "int8_compute":
+        _int8_compute_linear(w, inits, nodes)
     else:
         _quantized(op, w, attrs, inits, nodes)
     graph = helper.make_graph(nodes, kind, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
     opset = 21 if fmt == "int16" else 13
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)]
+                                                 if fmt == "int8_compute" else [])
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10 if opset == 21 else 8
     return model, x, macs
 

@@ -2,17 +2,20 @@ r"""Per-kernel latency model: ``t(kind, MACs) = overhead + MACs / throughput``, 
 
 A kernel kind is how onnxruntime runs one linear or convolution under one candidate format:
 
-=================  =====================================================================================
-kind               onnxruntime kernel (CPU execution provider)
-=================  =====================================================================================
-``linear_float``   ``Gemm`` / ``MatMul`` in float32
-``linear_dynamic`` ``DynamicQuantizeMatMul`` (``DynamicQuantizeLinear`` + ``MatMulInteger``, per-tensor uint8)
-``linear_static``  ``QuantizeLinear`` + ``QGemm`` (uint8 input, int8 weight, requantized uint8 output)
-``linear_int16``   uint16 ``Q → DQ`` around a float ``Gemm`` (no 16-bit integer kernel exists)
-``conv_float``     ``Conv`` in float32
-``conv_static``    ``QLinearConv`` (uint8 input and output, int8 weight)
-``conv_int16``     uint16 ``Q → DQ`` around a float ``Conv``
-=================  =====================================================================================
+=======================  ===============================================================================
+kind                     onnxruntime kernel (CPU execution provider)
+=======================  ===============================================================================
+``linear_float``         ``Gemm`` / ``MatMul`` in float32
+``linear_dynamic``       ``DynamicQuantizeMatMul`` (``DynamicQuantizeLinear`` + ``MatMulInteger``, per-tensor
+                         uint8)
+``linear_int8_compute``  ``MatMulNBits`` (``bits=8``, ``accuracy_level=4``: int8 activation per row and K
+                         block, int8 weight per block, int32 accumulation) + ``Add`` of the bias
+``linear_static``        ``QuantizeLinear`` + ``QGemm`` (uint8 input, int8 weight, requantized uint8 output)
+``linear_int16``         uint16 ``Q → DQ`` around a float ``Gemm`` (no 16-bit integer kernel exists)
+``conv_float``           ``Conv`` in float32
+``conv_static``          ``QLinearConv`` (uint8 input and output, int8 weight)
+``conv_int16``           uint16 ``Q → DQ`` around a float ``Conv``
+=======================  ===============================================================================
 
 A :class:`CostTable` holds one :class:`KernelCost` per kind and a ``key`` naming the machine it was measured on
 (CPU model, onnxruntime version, thread count). Tables are plain data: tests inject hand-written ones, and
@@ -30,8 +33,8 @@ from coreai_opt.error_boundary import public_api
 __all__ = ["KERNEL_KINDS", "CostTable", "KernelCost"]
 
 #: Every kernel kind a table must price (module docstring).
-KERNEL_KINDS: tuple[str, ...] = ("linear_float", "linear_dynamic", "linear_static", "linear_int16",
-                                 "conv_float", "conv_static", "conv_int16")
+KERNEL_KINDS: tuple[str, ...] = ("linear_float", "linear_dynamic", "linear_int8_compute", "linear_static",
+                                 "linear_int16", "conv_float", "conv_static", "conv_int16")
 
 
 @dataclass(frozen=True)

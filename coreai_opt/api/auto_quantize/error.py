@@ -11,21 +11,27 @@ For L2-normalised embeddings ``E ≈ 2 (1 − mean cos)``. A custom metric is an
 :func:`unit_errors` measures, on a prepared and calibrated model in which every unit has the same candidate, the
 error with only one unit's quantizers switched on (all others off): the unit's *error contribution*. Contributions
 are summed by the search as an estimate of the combined error, which the search then measures for real.
+An ``int8_compute`` layer's activation quantization is an ``Int8ComputeActivation`` module, not a fake quantizer
+with a switch: :func:`int8_compute_emulation` passes the input of every other one through unchanged for the time
+of a measurement (and of the float reference, where all of them are off).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, fx, nn
 
 from coreai_opt.api._state import fake_quantizers
-from coreai_opt.api.auto_quantize.units import Unit, layer_quantizers
+from coreai_opt.api.auto_quantize.units import Unit, layer_int8_compute, layer_quantizers
 from coreai_opt.api.batches import as_call
+from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation
 
-__all__ = ["Metric", "model_outputs", "relative_squared_error", "split_held_out", "unit_errors"]
+__all__ = ["Metric", "int8_compute_emulation", "model_outputs", "relative_squared_error", "split_held_out",
+           "unit_errors"]
 
 #: ``metric(outputs, references) -> error`` over the per-batch output lists.
 Metric = Callable[[Sequence[Tensor], Sequence[Tensor]], float]
@@ -62,6 +68,30 @@ def split_held_out(batches: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     return [b for b in batches if id(b) not in held_ids], held
 
 
+def _set_submodule(gm: fx.GraphModule, target: str, module: nn.Module) -> None:
+    owner, _, attr = target.rpartition(".")
+    setattr(gm.get_submodule(owner) if owner else gm, attr, module)
+
+
+@contextmanager
+def int8_compute_emulation(gm: fx.GraphModule, on: Iterable[str] = ()) -> Iterator[None]:
+    """Within the block only the ``Int8ComputeActivation`` modules named in ``on`` quantize; the others are identity.
+
+    The generated code of ``gm`` looks its submodules up at call time, so the swap needs no recompile; the modules
+    are put back on exit.
+    """
+    keep = set(on)
+    modules = {name: m for name, m in gm.named_modules() if isinstance(m, Int8ComputeActivation)}
+    try:
+        for name in modules:
+            if name not in keep:
+                _set_submodule(gm, name, nn.Identity())
+        yield
+    finally:
+        for name, module in modules.items():
+            _set_submodule(gm, name, module)
+
+
 def unit_errors(prepared: fx.GraphModule, units: Sequence[Unit], batches: Sequence[Any],
                 references: Sequence[Tensor], metric: Metric, tick: Callable[[], None] = lambda: None
                 ) -> list[float | None]:
@@ -69,7 +99,7 @@ def unit_errors(prepared: fx.GraphModule, units: Sequence[Unit], batches: Sequen
 
     The quantizer flags of ``prepared`` are restored afterwards.
     """
-    by_layer = layer_quantizers(prepared)
+    by_layer, emulations = layer_quantizers(prepared), layer_int8_compute(prepared)
     quantizers = dict(fake_quantizers(prepared))
     saved = {name: (bool(fq.observer_enabled), bool(fq.fake_quant_enabled)) for name, fq in quantizers.items()}
     out: list[float | None] = []
@@ -83,7 +113,8 @@ def unit_errors(prepared: fx.GraphModule, units: Sequence[Unit], batches: Sequen
                 tick()
                 continue
             _switch(quantizers, names)
-            out.append(float(metric(model_outputs(prepared, batches), references)))
+            with int8_compute_emulation(prepared, (m for layer in unit.names for m in emulations.get(layer, ()))):
+                out.append(float(metric(model_outputs(prepared, batches), references)))
             tick()
     finally:
         for name, fq in quantizers.items():

@@ -1,4 +1,4 @@
-r"""``auto_quantize``: choose static, dynamic, int16 or float per layer by measured error and onnxruntime latency.
+r"""``auto_quantize``: choose static, dynamic, int8_compute, int16 or float per layer by error and onnxruntime latency.
 
 The recipe (each step a public function)::
 
@@ -7,6 +7,8 @@ The recipe (each step a public function)::
     latency of each unit under each c                  cost table (onnxruntime micro-benchmarks, cached)
     repeat ≤ 4 times: greedy_assign(budget) → prepare(choices) → calibrate → measure the real error;
                       done when ≤ max_error, else budget ·= 0.8 · max_error / measured
+                      (an int8_compute unit that reads a static layer's 8-bit output runs no MatMulNBits: it loses
+                      the option and the round is searched again)
     prepare(chosen config) → calibrate(all calibration batches) → convert
 
 Only linears and convolutions are quantized (the other ops stay float), so the returned ``config`` is
@@ -35,6 +37,7 @@ from coreai_opt.api.auto_quantize.cost_measurement import load_or_measure
 from coreai_opt.api.auto_quantize.cost_table import CostTable
 from coreai_opt.api.auto_quantize.error import (
     Metric,
+    int8_compute_emulation,
     model_outputs,
     relative_squared_error,
     split_held_out,
@@ -42,7 +45,7 @@ from coreai_opt.api.auto_quantize.error import (
 )
 from coreai_opt.api.auto_quantize.report import AutoQuantizeReport, SearchRound, UnitReport
 from coreai_opt.api.auto_quantize.search import Option, greedy_assign
-from coreai_opt.api.auto_quantize.units import Unit, find_units
+from coreai_opt.api.auto_quantize.units import Unit, find_units, layer_int8_compute
 from coreai_opt.api.calibrate import calibrate
 from coreai_opt.api.calibration_search import search_calibration
 from coreai_opt.api.convert import convert
@@ -56,7 +59,10 @@ __all__ = ["DEFAULT_CANDIDATES", "DEFAULT_MAX_ERROR", "AutoQuantizeResult", "aut
 #: Default bound on the relative squared output error (≈ mean cosine 0.999 for normalised embeddings).
 DEFAULT_MAX_ERROR = 2e-3
 #: Candidates tried by default, in tie-break order.
-DEFAULT_CANDIDATES: tuple[str, ...] = ("static", "dynamic", "int16", "float")
+DEFAULT_CANDIDATES: tuple[str, ...] = ("static", "dynamic", "int8_compute", "int16", "float")
+#: The quantized candidates in measuring order: the first one measured defines the units (its input quantizers
+#: group the readers of one tensor; an int8_compute model has none, so it goes last).
+_MEASURING_ORDER: tuple[str, ...] = ("static", "dynamic", "int16", "int8_compute")
 _MAX_ROUNDS = 4
 
 
@@ -201,18 +207,26 @@ def auto_quantize(
     table = cost_table if cost_table is not None else load_or_measure(threads=1)
     base, alphas, capture = _smooth(model, calib, example_inputs, example_kwargs) if smooth else (model, {}, "auto")
 
-    measured = [c for c in ("static", "dynamic", "int16") if c in candidates and _can_win(c, candidates, table)]
+    measured = [c for c in _MEASURING_ORDER if c in candidates and _can_win(c, candidates, table)]
     if not measured:
         raise ValueError(f"no quantized candidate among {list(candidates)} is faster than float on any layer kind "
                          f"according to the cost table {table.key!r}; add 'static' or 'dynamic' to candidates")
     errors: dict[str, list[float | None]] = {}
+    refused: dict[str, str] = {}
     ranges: dict[str, str] = {}
     units: list[Unit] = []
     references: list[torch.Tensor] = []
     bar = tqdm(total=None, disable=not progress, desc="auto_quantize", leave=False)
     try:
         for c in measured:
-            prepared = _prepare(base, _uniform_config(c), example_inputs, example_kwargs, capture)
+            try:
+                prepared = _prepare(base, _uniform_config(c), example_inputs, example_kwargs, capture)
+            except ValueError as refusal:  # MatMulNBits cannot hold some layer (e.g. a weight computed in forward)
+                if c != "int8_compute" or not units:
+                    raise
+                refused[c] = str(refusal)
+                bar.update(len(units))
+                continue
             if not units:
                 units = find_units(prepared)
                 if not units:
@@ -225,7 +239,8 @@ def auto_quantize(
                 from coreai_opt.api.qat import enable_fake_quant
 
                 enable_fake_quant(prepared, False)
-                references = model_outputs(prepared, held)
+                with int8_compute_emulation(prepared):
+                    references = model_outputs(prepared, held)
                 enable_fake_quant(prepared, True)
             if CANDIDATES[c].calibrated:
                 calibrate(prepared, calib, progress=False)
@@ -237,11 +252,12 @@ def auto_quantize(
         rounds: list[SearchRound] = []
         tried: list[tuple[list[str], fx.GraphModule, float]] = []
         budget = float(max_error)
+        behind_static: list[int] = []
         for _ in range(_MAX_ROUNDS):
-            choices = greedy_assign(options, budget, order)
+            choices, prepared = _assign_and_prepare(options, budget, order, units, ranges, behind_static,
+                                                    (base, example_inputs, example_kwargs, capture))
             predicted = sum(options[i][c].error for i, c in enumerate(choices))
             latency = sum(options[i][c].latency_us for i, c in enumerate(choices))
-            prepared = _prepare(base, _build_config(units, choices, ranges), example_inputs, example_kwargs, capture)
             calibrate(prepared, calib, progress=False)
             error = float(metric_fn(model_outputs(prepared, held), references))
             bar.update()
@@ -261,8 +277,33 @@ def auto_quantize(
     converted = convert(prepared)
     report = _report(units, choices, options, ranges, alphas, table, max_error, error, source,
                      getattr(metric_fn, "__name__", type(metric_fn).__name__), tuple(rounds),
-                     time.perf_counter() - start)
+                     time.perf_counter() - start, tuple(units[i].label for i in behind_static), refused)
     return AutoQuantizeResult(converted, config, base, capture, report)
+
+
+def _assign_and_prepare(options: list[dict[str, Option]], budget: float, order: Sequence[str],
+                        units: Sequence[Unit], ranges: dict[str, str], behind_static: list[int],
+                        model_args: tuple[nn.Module, tuple[Any, ...], dict[str, Any] | None, str]
+                        ) -> tuple[list[str], fx.GraphModule]:
+    """``greedy_assign`` and ``prepare`` of its choices, until every int8_compute unit really runs ``MatMulNBits``.
+
+    A linear whose input is already an 8-bit quantized tensor (a static layer's requantized output) gets no
+    ``Int8ComputeActivation`` from ``prepare`` and runs as a float kernel behind ``DequantizeLinear``, neither
+    the error nor the latency the search priced: such a unit loses its int8_compute option (appended to
+    ``behind_static``, in place, with ``options``) and the assignment is searched again.
+    """
+    base, example_inputs, example_kwargs, capture = model_args
+    while True:
+        choices = greedy_assign(options, budget, order)
+        prepared = _prepare(base, _build_config(units, choices, ranges), example_inputs, example_kwargs, capture)
+        emulated = layer_int8_compute(prepared)
+        blocked = [i for i, c in enumerate(choices)
+                   if c == "int8_compute" and not all(name in emulated for name in units[i].names)]
+        if not blocked:
+            return choices, prepared
+        for i in blocked:
+            del options[i]["int8_compute"]
+            behind_static.append(i)
 
 
 def _can_win(candidate: str, candidates: Sequence[str], table: CostTable) -> bool:
@@ -300,7 +341,8 @@ def _options(units: Sequence[Unit], candidates: Sequence[str], errors: dict[str,
 
 def _report(units: Sequence[Unit], choices: Sequence[str], options: Sequence[dict[str, Option]],
             ranges: dict[str, str], alphas: dict[str, float], table: CostTable, max_error: float, error: float,
-            source: str, metric: str, rounds: tuple[SearchRound, ...], seconds: float) -> AutoQuantizeReport:
+            source: str, metric: str, rounds: tuple[SearchRound, ...], seconds: float,
+            behind_static: tuple[str, ...] = (), refused: dict[str, str] | None = None) -> AutoQuantizeReport:
     rows = []
     for unit, choice, opts in zip(units, choices, options, strict=True):
         alpha = next((alphas[n] for n in unit.names if n in alphas), None)
@@ -312,10 +354,14 @@ def _report(units: Sequence[Unit], choices: Sequence[str], options: Sequence[dic
         if all(c in o or "float" in o for o in options):
             reference[c] = sum((o[c] if c in o else o["float"]).latency_us for o in options)
     notes = []
-    skipped = [c for c in CANDIDATES if c != "float" and not any(c in o for o in options)]
+    notes += [f"not measured: {c} (prepare refused it: {why})" for c, why in (refused or {}).items()]
+    skipped = [c for c in CANDIDATES if c != "float" and not any(c in o for o in options) and c not in (refused or {})]
     if skipped:
         notes.append(f"not measured: {', '.join(skipped)} (not allowed, or its cost-table line is nowhere below "
                      "float's, so float, with zero error, is always at least as good)")
+    if behind_static:
+        notes.append(f"int8_compute dropped for {', '.join(behind_static)}: the input is a static layer's 8-bit "
+                     "output, which MatMulNBits cannot read (the layer would run in float behind DequantizeLinear)")
     if error > max_error:
         notes.append(f"max_error {max_error:.3e} was not reached: the best measured error is {error:.3e}; "
                      "raise max_error or allow more candidates")

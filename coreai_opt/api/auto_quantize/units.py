@@ -6,6 +6,8 @@ its multiply-accumulates per sample (batch 1: ``MACs = numel(output[1:]) · in_f
 another dynamic size counts as 1) and the quantizer
 modules it uses: the one on its input, the one on its weight and the ones on its output (after a fused
 relu / relu6 / hardtanh). Layers whose input quantizer is the same module form one :class:`Unit`.
+:func:`layer_int8_compute` finds the ``Int8ComputeActivation`` (the eager emulation of int8-compute
+``MatMulNBits``) each linear reads its input through.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from torch import fx
 
 from coreai_opt.passes.node_meta import example_shape, get_meta
 from coreai_opt.passes.op_kinds import OpKind
+from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation
 
-__all__ = ["Layer", "Unit", "find_units", "layer_quantizers"]
+__all__ = ["Layer", "Unit", "find_units", "layer_int8_compute", "layer_quantizers"]
 
 _LAYER_KINDS = {OpKind.LINEAR: "linear", OpKind.CONV: "conv"}
 _FUSED = {OpKind.RELU, OpKind.RELU6, OpKind.HARDTANH}
@@ -111,6 +114,19 @@ def layer_quantizers(gm: fx.GraphModule) -> dict[str, tuple[str, ...]]:
             if q is not None and q not in names:
                 names.append(q)
     return {name: tuple(qs) for name, qs in found.items()}
+
+
+def layer_int8_compute(gm: fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    """Module name of every linear reading its input through an ``Int8ComputeActivation`` -> those modules."""
+    found: dict[str, list[str]] = {}
+    for node, _ in _layer_nodes(gm):
+        x = node.args[0] if node.args else None
+        if isinstance(x, fx.Node) and x.op == "call_module" and isinstance(gm.get_submodule(str(x.target)),
+                                                                             Int8ComputeActivation):
+            names = found.setdefault(get_meta(node).module_name, [])
+            if str(x.target) not in names:
+                names.append(str(x.target))
+    return {name: tuple(targets) for name, targets in found.items()}
 
 
 def find_units(gm: fx.GraphModule) -> list[Unit]:

@@ -28,7 +28,7 @@ def test_auto_quantize_defaults_meet_max_error_and_report_every_layer(smoothed):
     assert [u.layers for u in report.units] == [("q", "k"), ("fc1",), ("fc2",)]
     assert sum(report.counts().values()) == 4
     for unit in report.units:
-        assert set(unit.alternatives) == {"static", "dynamic", "int16", "float"}
+        assert set(unit.alternatives) == {"static", "dynamic", "int8_compute", "int16", "float"}
         assert unit.alternatives["float"][0] == 0.0 and unit.error == unit.alternatives[unit.choice][0]
     # the LayerNorm's 20x outlier channel is migrated into q / k
     assert report.units[0].smoothing_alpha is not None and smoothed.capture == "export"
@@ -87,7 +87,7 @@ def test_auto_quantize_is_deterministic_same_choices_and_onnx_bytes_and_user_mod
     assert files[0].read_bytes() == files[1].read_bytes()
 
 
-@pytest.mark.parametrize("cheapest", ["static", "dynamic"])
+@pytest.mark.parametrize("cheapest", ["static", "dynamic", "int8_compute"])
 def test_auto_quantize_cost_table_decides_the_format_under_a_loose_bound(tiny, cheapest):
     model, batches = tiny
     lines = {k: (1.0, 10.0) for k in LINES} | {cheapest: (0.0, 1e6)}
@@ -134,7 +134,8 @@ def test_auto_quantize_rejects_bad_arguments_with_the_fix(tiny, kwargs, message)
 
 def test_auto_quantize_refuses_when_no_candidate_can_beat_float(tiny):
     model, batches = tiny
-    slow = {"float": (0.0, 1e9), "static": (1.0, 10.0), "dynamic": (1.0, 10.0), "int16": (1.0, 10.0)}
+    slow = {"float": (0.0, 1e9), "static": (1.0, 10.0), "dynamic": (1.0, 10.0), "int16": (1.0, 10.0),
+            "int8_compute": (1.0, 10.0)}
     with pytest.raises(ValueError, match="no quantized candidate .* is faster than float .* cost table 'test'"):
         co.auto_quantize(model, batches, (batches[0],), cost_table=table(slow), progress=False)
 
@@ -165,6 +166,7 @@ def test_auto_quantize_progress_bar_counts_every_measurement(tiny, monkeypatch):
 
 def test_kernel_kind_names_the_cost_table_line():
     assert kernel_kind("static", "conv") == "conv_static" and kernel_kind("dynamic", "linear") == "linear_dynamic"
+    assert kernel_kind("int8_compute", "linear") == "linear_int8_compute"
 
 
 @pytest.mark.parametrize("max_error", [1e-12, 1.0])  # every layer float / every layer quantized
