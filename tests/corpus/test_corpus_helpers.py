@@ -7,8 +7,9 @@ import math
 import numpy as np
 import torch
 
+from benchmarks.corpus import export_ratio
 from benchmarks.corpus_models import CORPUS, tokens
-from benchmarks.corpus_runner import decisive_flips, sqnr_db, top1_agreement
+from benchmarks.corpus_runner import CorpusRow, decisive_flips, sqnr_db, top1_agreement
 from benchmarks.torchvision_ops import declare_torchvision_ops
 
 
@@ -30,6 +31,13 @@ def test_decisive_flips_forgive_only_near_ties():
     other = [np.array([[1.0, 0.0], [0.1, 0.0]])]  # both rows flip
     assert decisive_flips(reference, other, tolerance=0.1) == 1  # 0.1 <= 2 * 0.1: a near tie
     assert decisive_flips(reference, other, tolerance=0.01) == 2
+
+
+def test_export_ratio_is_export_onnx_seconds_over_the_float_export_seconds():
+    row = CorpusRow("m", "cnn", seconds={"export": 6.0, "ort_float_export": 4.0})
+    assert export_ratio(row) == 1.5
+    assert export_ratio(CorpusRow("m", "cnn", seconds={"export": 6.0})) is None  # the float export did not run
+    assert export_ratio(CorpusRow("m", "cnn", seconds={"ort_float_export": 4.0})) is None  # ours failed earlier
 
 
 def test_token_inputs_stay_in_the_vocabulary_with_a_right_padded_mask():
