@@ -137,3 +137,27 @@ def test_row_chunked_round_to_nearest_is_bit_exact(granularity, qscheme, monkeyp
     chunked = RTNRounding(spec).round_weight(weight, None)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
     assert whole.q.dtype == torch.int32 and int(whole.q.min()) >= -8 and int(whole.q.max()) <= 7
+
+
+@pytest.mark.parametrize(("shape", "axis", "block"), [((64, 96), 1, 32), ((64, 96), 0, 16), ((8, 48, 5), 1, 16)])
+@pytest.mark.parametrize("dtype", ["int4", "float8_e4m3fn"])
+def test_per_block_fake_quantization_on_the_blocked_view_is_bit_exact(shape, axis, block, dtype) -> None:
+    from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize
+
+    torch.manual_seed(5)
+    x = torch.randn(shape) * 3
+    qshape = list(shape)
+    qshape[axis] //= block
+    scale = torch.rand(qshape) * 0.3 + 0.01
+    zero = torch.randint(-3, 3, qshape, dtype=torch.int32)
+    if dtype != "int4":
+        zero = torch.zeros_like(zero)
+    s = scale.repeat_interleave(block, dim=axis)  # the qparams repeated to the size of x: the formula as written
+    z = zero.repeat_interleave(block, dim=axis)
+    if dtype == "int4":
+        expected = (torch.clamp(torch.round(x / s) + z, -8, 7) - z) * s
+        got = quantize_dequantize(x, scale, zero, -8, 7, axis, block, dtype)
+    else:
+        expected = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+        got = quantize_dequantize(x, scale, zero, -448, 448, axis, block, dtype)
+    assert got.shape == x.shape and torch.equal(got.view(torch.int32), expected.view(torch.int32))
