@@ -161,3 +161,22 @@ def test_per_block_fake_quantization_on_the_blocked_view_is_bit_exact(shape, axi
         expected = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
         got = quantize_dequantize(x, scale, zero, -448, 448, axis, block, dtype)
     assert got.shape == x.shape and torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+def test_calibrates_rollback_snapshot_keeps_the_rounding_results_by_reference() -> None:
+    from coreai_opt.api.quantizer_snapshot import QuantizerSnapshot
+
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 64)).eval()
+    x = torch.randn(8, 256)
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w4(algorithm="gptq"), (x,))
+    roundings = _roundings(prepared)
+    integers = sum(r.qweight.numel() * r.qweight.element_size() for r in roundings)
+    assert integers == 256 * 512 + 512 * 64
+    snapshot = QuantizerSnapshot(prepared)
+    assert snapshot.nbytes == 102440 < integers  # before: 307240, the roundings' integers and qparams cloned
+    before = [r.qweight for r in roundings]
+    co.calibrate(prepared, [x], progress=False)
+    assert all(r.qweight is not b for r, b in zip(roundings, before, strict=True))  # replaced, not written
+    snapshot.restore()
+    assert all(r.qweight is b for r, b in zip(roundings, before, strict=True))
