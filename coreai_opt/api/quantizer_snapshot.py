@@ -10,7 +10,9 @@ What is saved (nothing of the float model: weights and non-quantizer buffers are
 
 Cost: buffers are cloned, except those of weight quantizers whose weight is unchanged since their last commit
 (calibrate neither observes nor recommits them; only their small flag buffers are cloned), and those whose weight
-rounding is data-aware (GPTQ, weighted MSE: their integers and statistics are always cloned). So the snapshot is the
+rounding is data-aware (GPTQ, weighted MSE: their statistics and qparams are always cloned; the rounding's own
+integers and qparams, which ``commit`` replaces and never writes in place, are kept by reference and their version
+checked on restore). So the snapshot is the
 size of the activation statistics (per-tensor min/max: a few bytes; a histogram: ``num_bins`` int64 per row) plus
 the qparams of weights that changed since the last commit; :attr:`QuantizerSnapshot.nbytes` reports it.
 
@@ -33,7 +35,9 @@ from coreai_opt.api._state import (
     stale_weight_quantizers,
     weight_quantizer_inputs,
 )
+from coreai_opt.errors import CoreaiOptRuntimeError
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
+from coreai_opt.quantization.spec.weight_rounding import WeightRoundingBase
 
 __all__ = ["QuantizerSnapshot"]
 
@@ -77,6 +81,10 @@ class _SavedModule:
             del table[name]
         for name, saved in self.buffers.items():
             tensor = saved.tensor
+            if tensor is not None and saved.copy is None and tensor._version != saved.version:
+                raise CoreaiOptRuntimeError(
+                    f"internal error: calibrate wrote {type(self.module).__name__}.{name} in place, which the "
+                    "snapshot saved by reference, so the rollback cannot restore it; please report it")
             if tensor is not None and saved.copy is not None and tensor._version != saved.version:
                 if tensor.shape == saved.copy.shape:
                     with torch.no_grad():
@@ -111,7 +119,10 @@ class QuantizerSnapshot:
         for root in model.modules():
             if isinstance(root, (FakeQuantize, BiasFakeQuantize)):
                 clone_all = id(root) not in untouched
-                self._modules += [_SavedModule.take(m, clone_all) for m in root.modules()]
+                # a rounding's results (integers, qparams, fingerprint) are replaced by commit, never written in
+                # place: saved by reference (restore checks their version), not cloned (0.3x of a GPTQ model)
+                self._modules += [_SavedModule.take(m, clone_all and not isinstance(m, WeightRoundingBase))
+                                  for m in root.modules()]
         self._training = [(m, m.training) for m in model.modules()]
         self._records = commit_records(weight_quantizers)
 

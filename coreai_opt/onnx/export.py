@@ -58,6 +58,7 @@ from coreai_opt.onnx.prequantize_weights import (
 )
 from coreai_opt.onnx.rewrite.report import record_report
 from coreai_opt.onnx.rewrite.write_matmul_nbits import finish_matmul_nbits
+from coreai_opt.onnx.rounded_weights import bind_rounded_weights, rounded_weight_buffers
 from coreai_opt.onnx.save import check_output_path, save_model_atomically
 from coreai_opt.passes.graph_meta import get_graph_meta
 from coreai_opt.passes.node_meta import Role, get_meta
@@ -152,12 +153,15 @@ def _export_proto(
     """
 
     def dynamo() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
+        with rounded_weight_buffers(model, lazy=True) as placeholders:  # one rounded weight in memory at a time
+            program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
+            bind_rounded_weights(program.model, placeholders)
         quantized = defer_large_weights(program.model)
         return program.model_proto, quantized
 
     def torchscript() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
+        with rounded_weight_buffers(model, lazy=False):
+            proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
         return proto, prequantize_initializers(proto)
 
     with third_party_noise.scoped():  # the exporter's known harmless warnings, for this call only

@@ -48,7 +48,8 @@ def main() -> None:
     rss_model = psutil.Process().memory_info().rss
     start = time.perf_counter()
     cfg = QuantizerConfig.presets.w4(block_size=32, algorithm="gptq").set_op_kind("embedding", None)
-    prepared = co.prepare(model, cfg, (batches[0],), capture="export")
+    # transformers' masking branches on the batch size (a shape guard prepare refuses): captured at the fixed shape
+    prepared = co.prepare(model, cfg, (batches[0],), capture="export", dynamic_shapes={"input_ids": None})
     hessian_bytes = sum(m.weight.shape[1] ** 2 * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
     co.calibrate(prepared, batches, progress=False)
     seconds = time.perf_counter() - start

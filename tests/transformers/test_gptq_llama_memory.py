@@ -9,6 +9,7 @@ batch), i.e. nothing proportional to the number of calibration tokens.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("gptq_llama_worker.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run() -> dict[str, float | str]:
-    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=1800, check=False)
+    # tests/subprocess_site/sitecustomize.py declares torchvision's op schemas before transformers imports it
+    # (the environment's torchvision cannot load its C++ ops beside the CPU torch; see there)
+    site = os.pathsep.join([str(REPO / "tests" / "subprocess_site"), str(REPO)])
+    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=1800, check=False,
+                          env={**os.environ, "PYTHONPATH": site})
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -18,8 +18,9 @@ Scales follow the spec's granularity: per-block (axis 1) qparams of a block are 
 rule of the spec (full signed range for symmetric), from the *updated* weights when the block's first column is
 reached; with activation order, per-channel or per-tensor granularity they come from the original weight
 (static groups, so that a permutation never splits a block). Memory: ``W``, ``H`` and ``U`` of this one layer
-(in ``commit`` ``H`` is the statistics' own ``XᵀX`` scaled in place, ``U`` computed in place in one float64 matrix;
-``H`` and the float64 ``U`` are released before the weight-sized column loop).
+(in ``commit`` ``H`` is the statistics' own ``XᵀX`` scaled in place, ``U`` computed in place in one float64 matrix
+on its column-major view, where LAPACK copies nothing; ``H`` and the float64 ``U`` are released before the
+weight-sized column loop, whose lazy-block update runs on row chunks and whose integers are int8).
 Deterministic (no random numbers; fixed-order float arithmetic).
 
 A linear weight rounded before calibration brought its Hessian (``prepare``) gets a provisional
@@ -44,6 +45,9 @@ from coreai_opt.quantization.spec.weight_rounding import WEIGHT_ROUNDING, Rounde
 
 __all__ = ["GPTQRounding", "GPTQClipSearchRounding", "inverse_hessian_factor"]
 
+#: Elements of the lazy-block update ``W[:, later] −= E·U[block, later]`` computed at a time.
+_UPDATE_CHUNK = 1 << 22
+
 
 def inverse_hessian_factor(hessian: Tensor, damping: float) -> Tensor:
     """Upper Cholesky factor ``U`` of ``(H + λ·mean(diag H)·I)⁻¹`` in float64 (dead inputs get ``H_jj = 1``).
@@ -56,14 +60,16 @@ def inverse_hessian_factor(hessian: Tensor, damping: float) -> Tensor:
     dead = diag == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(damping * float(h.diagonal().mean()))
-    # In place (LAPACK's own layout): one d x d float64 matrix at a time instead of four; the same values.
+    # In place, on the column-major view of the symmetric matrix (LAPACK's own layout, so no op copies it: one
+    # d x d float64 matrix in all instead of two at each step); the same values. The result is column-major.
+    f = h.mT
     info = torch.empty((), dtype=torch.int32, device=h.device)
-    torch.linalg.cholesky_ex(h, out=(h, info))
+    torch.linalg.cholesky_ex(f, out=(f, info))
     if int(info) != 0:
         raise ValueError(f"the damped Hessian is not positive definite (damping={damping}); increase damping")
-    torch.cholesky_inverse(h, out=h)
-    torch.linalg.cholesky(h, upper=True, out=h)
-    return h
+    torch.cholesky_inverse(f, out=f)
+    torch.linalg.cholesky(f, upper=True, out=f)
+    return f
 
 
 @WEIGHT_ROUNDING.register("gptq")
@@ -111,7 +117,9 @@ class GPTQRounding(MSERounding):
             hessian = hessian[perm][:, perm]
         factor = inverse_hessian_factor(hessian, self.damping)
         del hessian  # d x d: only the factor is needed from here on (the diagonal is kept)
-        factor = factor.float()  # the float64 factor is freed here, before the weight-sized work below
+        # row-major float32 (the layout the column loop's products were always computed in); the float64 factor
+        # is freed here, before the weight-sized work below
+        factor = torch.empty(factor.shape, device=factor.device).copy_(factor)
         w = weight.clone()
         scale, zero = self._static_qparams(weight, block) if static else (
             torch.empty(out, n // block, device=w.device), torch.empty(out, n // block, dtype=torch.int32))
@@ -121,6 +129,7 @@ class GPTQRounding(MSERounding):
         if perm is not None:
             group_of = group_of[perm]
         q = self._solve(w, factor, scale, zero, group_of, block, static)
+        del w, factor  # before the int32 result below
         if perm is not None:
             restored = torch.empty_like(q)
             restored[:, perm] = q
@@ -155,7 +164,7 @@ class GPTQRounding(MSERounding):
         out, n = w.shape
         qmin, qmax = int(self.spec.quant_min), int(self.spec.quant_max)
         lazy = max(block, (self.lazy_block // block) * block) if not static else self.lazy_block
-        q_all = torch.empty_like(w)
+        q_all = torch.empty(w.shape, dtype=torch.int8, device=w.device)  # integers of at most 8 bits: exact
         for i1 in range(0, n, lazy):
             i2 = min(i1 + lazy, n)
             w1 = w[:, i1:i2].clone()
@@ -174,7 +183,13 @@ class GPTQRounding(MSERounding):
                 e = (wc - (qc - z) * s) / u1[i, i]
                 w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
                 err1[:, i] = e
-            w[:, i2:] -= err1 @ factor[i1:i2, i2:]
+            later = factor[i1:i2, i2:]
+            # in row chunks of about _UPDATE_CHUNK elements (rows are independent; the same products, bit for
+            # bit): no weight-sized product temporary
+            parts = min(out, max(1, out * later.shape[1] // _UPDATE_CHUNK))  # equal parts: none tiny
+            for p in range(parts):
+                r = slice(out * p // parts, out * (p + 1) // parts)
+                w[r, i2:] -= err1[r] @ later
         return q_all
 
     def _qparam_shaped(self, scale: Tensor, zero: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -65,6 +65,8 @@ class RoundedWeight(NamedTuple):
 
 #: Elements summed at a time by :func:`weight_fingerprint`.
 _FINGERPRINT_CHUNK = 1 << 22
+#: Elements dequantized (:meth:`WeightRoundingBase.dequantized`) or rounded (``RTNRounding``) at a time.
+_ROW_CHUNK = 1 << 20
 
 
 def weight_fingerprint(x: Tensor) -> Tensor:
@@ -170,23 +172,37 @@ class WeightRoundingBase(RegistryFamily, nn.Module):
         return result
 
     def dequantized(self) -> Tensor:
-        """``(q − z)·s`` in the weight's shape (float32): the value every mode computes for this weight."""
+        """``(q − z)·s`` in the weight's shape (float32): the value every mode computes for this weight.
+
+        Computed on chunks of the rows view when it is a view of the weight (per-tensor, per-channel axis 0,
+        per-block along the last axis): no weight-sized temporary besides the result, the same values.
+        """
         granularity = self.spec.granularity
-        q = self.qweight.float()
-        return (q - granularity.expand(self.zero_point.float(), q)) * granularity.expand(self.scale, q)
+        out = torch.empty(self.qweight.shape, device=self.qweight.device)
+        out_rows = granularity.to_rows(out)
+        if not (out_rows._is_view() and out_rows.data_ptr() == out.data_ptr() and out_rows.is_contiguous()):
+            q = self.qweight.float()
+            return (q - granularity.expand(self.zero_point.float(), q)) * granularity.expand(self.scale, q)
+        q_rows = granularity.to_rows(self.qweight)
+        scale, zero = self.scale.reshape(-1, 1), self.zero_point.float().reshape(-1, 1)
+        step = max(1, _ROW_CHUNK // max(1, q_rows.shape[1]))
+        for start in range(0, q_rows.shape[0], step):
+            rows = slice(start, start + step)
+            torch.mul(q_rows[rows].float() - zero[rows], scale[rows], out=out_rows[rows])
+        return out
 
     def weight_for(self, weight: Tensor, export_mode: bool) -> Tensor:
         """The tensor the quantizer rounds in place of ``weight``: its exact dequantized result.
 
-        In export mode the result is materialised once (a buffer the exporter stores as the weight).
+        In export mode: :attr:`export_weight` when ``export_onnx`` set it for its trace (a buffer the exporter
+        stores as the weight, see :mod:`coreai_opt.onnx.rounded_weights`), else computed on each call and never
+        kept (an eager forward of a converted model holds one such weight at a time, not a float copy of all).
 
         Raises:
             RuntimeError: not in export mode and ``weight`` is not the weight the result was computed from.
         """
         if export_mode:
-            if self.export_weight is None:
-                self.export_weight = self.dequantized()
-            return self.export_weight
+            return self.export_weight if self.export_weight is not None else self.dequantized()
         if not self.matches(weight):
             raise RuntimeError(
                 f"{self.name}: the weight changed since it was rounded; run coreai_opt.calibrate(prepared, data) "
@@ -212,8 +228,16 @@ class RTNRounding(WeightRoundingBase):
     def round_weight(self, weight: Tensor, statistics: InputStatistics | None) -> RoundedWeight:  # noqa: D102
         granularity = self.spec.granularity
         rows = granularity.to_rows(weight)
-        scale, zero_point = rtn_qparams(rows, self.spec.dtype_info, self.spec.qscheme)
-        q = quantize_rows(rows, scale, zero_point, int(self.spec.quant_min), int(self.spec.quant_max))
+        qmin, qmax = int(self.spec.quant_min), int(self.spec.quant_max)
+        # On row chunks (every operation is per row: the same bits): no weight-sized float temporaries.
+        q = torch.empty(rows.shape, dtype=torch.int32, device=rows.device)
+        scale = torch.empty(rows.shape[0], device=rows.device)
+        zero_point = torch.empty(rows.shape[0], dtype=torch.int32, device=rows.device)
+        step = max(1, _ROW_CHUNK // max(1, rows.shape[1]))
+        for start in range(0, rows.shape[0], step):
+            r = slice(start, start + step)
+            scale[r], zero_point[r] = rtn_qparams(rows[r], self.spec.dtype_info, self.spec.qscheme)
+            q[r] = quantize_rows(rows[r], scale[r], zero_point[r], qmin, qmax)
         return rows_result(q, scale, zero_point, weight, granularity)
 
 
