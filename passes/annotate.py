@@ -184,11 +184,15 @@ class _Matcher:
         self.error_kinds: set[str] = set()  # "block" (block size does not divide) / "axis" (axis out of range)
         self.fallbacks: list[str] = []
         self.fused: dict[Node, QuantSpec] = {}
+        self._resolved: dict[Node, _Resolved] = {}
 
     def specs(self, node: Node) -> _Resolved:
-        meta = get_meta(node)
-        r = self.resolve(meta.kind.value, meta.module_name, meta.module_type)
-        return _Resolved(r.weight, r.activation, r.source)
+        """The config's specs for ``node``, resolved once (each input edge asks for its producer's too)."""
+        if node not in self._resolved:
+            meta = get_meta(node)
+            r = self.resolve(meta.kind.value, meta.module_name, meta.module_type)
+            self._resolved[node] = _Resolved(r.weight, r.activation, r.source)
+        return self._resolved[node]
 
     def weight_spec(self, op: Node, weight: Node, spec: QuantizationSpec, axes: dict[int, int]) -> QuantSpec | None:
         shape = node_shape(weight, self.gm)

@@ -137,14 +137,19 @@ def _gather(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | str:
     return np.take(data, np.where(indices < 0, indices + size, indices).astype(np.int64), axis=axis)
 
 
+def _axes(attrs: dict, inputs: _Arrays) -> list[int]:
+    """The ``axes`` of a node: its attribute (older opsets) or its second input (Unsqueeze >= 13, Reduce* >= 18)."""
+    if "axes" in attrs:
+        return [int(a) for a in attrs["axes"]]
+    return [int(a) for a in np.ravel(inputs[1])] if len(inputs) > 1 and inputs[1] is not None else []
+
+
 def _reduce_l2(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | str:
     x = inputs[0]
     if x.dtype != np.float32:
         return f"its ReduceL2 of {x.dtype} is left to onnxruntime"
     attrs = attributes_of(node)
-    axes = attrs["axes"] if "axes" in attrs else (np.ravel(inputs[1]) if len(inputs) > 1 and inputs[1] is not None
-                                                  else [])  # opset >= 18: an input
-    axes = tuple(int(a) % x.ndim for a in axes)
+    axes = tuple(a % x.ndim for a in _axes(attrs, inputs))
     if not axes and attrs.get("noop_with_empty_axes", 0):
         return x
     keepdims = bool(attrs.get("keepdims", 1))
@@ -155,7 +160,7 @@ def _reduce_l2(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray | str:
 def _unsqueeze(node: onnx.NodeProto, inputs: _Arrays) -> np.ndarray:
     x = inputs[0]
     attrs = attributes_of(node)
-    axes = [int(a) for a in (attrs["axes"] if "axes" in attrs else np.ravel(inputs[1]))]  # opset < 13: attribute
+    axes = _axes(attrs, inputs)
     rank = x.ndim + len(axes)
     for axis in sorted(a % rank for a in axes):
         x = np.expand_dims(x, axis)
