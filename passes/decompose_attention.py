@@ -183,7 +183,4 @@ def decompose_attention(gm: GraphModule) -> PassResult:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
     for node in nodes:
         _decompose(gm, node)
-    if nodes:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, len(nodes))
+    return PassResult.after_edits(gm, len(nodes))

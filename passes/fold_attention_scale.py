@@ -200,8 +200,5 @@ def fold_attention_scale(gm: GraphModule) -> PassResult:
             gm.graph.erase_node(scale_node)
             erased.add(scale_node)
         changes += 1
-    if changes:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, changes)
+    return PassResult.after_edits(gm, changes)
 

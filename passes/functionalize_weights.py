@@ -110,7 +110,4 @@ def functionalize_weights(gm: GraphModule) -> PassResult:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         changes += 1
-    if changes:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, changes)
+    return PassResult.after_edits(gm, changes)

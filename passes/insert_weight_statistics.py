@@ -63,7 +63,4 @@ def insert_weight_statistics(gm: GraphModule) -> PassResult:
             user.update_arg(0, call)
             gm.get_submodule(target).attached = True
             changes += 1
-    if changes:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, changes)
+    return PassResult.after_edits(gm, changes)

@@ -104,7 +104,4 @@ def int8_compute_inputs(gm: GraphModule) -> PassResult:
                                 module_type=get_meta(linear).module_type))
         linear.replace_input_with(x, call)
         changes += 1
-    if changes:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, changes)
+    return PassResult.after_edits(gm, changes)

@@ -21,6 +21,14 @@ class PassResult:
     graph_module: GraphModule
     changes: int
 
+    @classmethod
+    def after_edits(cls, gm: GraphModule, changes: int) -> PassResult:
+        """The result of a pass that edited ``gm``'s graph in place: linted and recompiled when ``changes > 0``."""
+        if changes:
+            gm.graph.lint()
+            gm.recompile()
+        return cls(gm, changes)
+
     @property
     def modified(self) -> bool:
         """True when the pass changed anything."""

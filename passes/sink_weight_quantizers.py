@@ -47,10 +47,7 @@ def sink_weight_quantizers(gm: GraphModule) -> PassResult:
             continue
         first.prepend(node)
         moved += 1
-    if moved:
-        gm.graph.lint()
-        gm.recompile()
-    return PassResult(gm, moved)
+    return PassResult.after_edits(gm, moved)
 
 
 def eager_order(model: nn.Module) -> nn.Module:
