@@ -21,7 +21,7 @@ from tests.zoo import PRESETS, ZOO, build, preset_config, weighted_layer_count
 W8A8_COUNTS = {
     "resnet18": {"input": 1, "conv": 51, "relu": 17, "avg_pool": 1, "linear": 3},
     "mobilenet_v2": {"input": 1, "conv": 122, "relu6": 34, "add": 11, "hardswish": 1, "avg_pool": 1, "linear": 3},
-    "conv_transpose_decoder": {"input": 1, "conv": 11, "relu": 4, "conv_transpose": 2},
+    "conv_transpose_decoder": {"input": 1, "conv": 11, "relu": 5, "cat": 1, "conv_transpose": 2},
     "transformer_encoder": {"embedding": 2, "parameter": 1, "add": 5, "layer_norm": 5, "linear": 39, "matmul": 4,
                             "softmax": 2, "gelu": 2, "avg_pool": 1},
     # nn.TransformerEncoderLayer calls SDPA: decomposed, each layer quantizes q, k, q·kᵀ, the scaled scores (the

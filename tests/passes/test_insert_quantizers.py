@@ -55,14 +55,15 @@ def test_insert_quantizers_tensor_consumed_twice_is_observed_once():
     assert counts == {"activation": 5, "weight": 3, "bias": 3}  # x, a, b, c, add outputs
 
 
-def test_insert_quantizers_cat_inputs_share_one_module():
+def test_insert_quantizers_cat_inputs_keep_their_producers_quantizers_and_the_output_gets_its_own():
     model, example, _ = build("conv_transpose_decoder")
     gm = inserted(model, example[0], W8A8())
     cat = next(n for n in gm.graph.nodes if n.target is torch.cat)
-    targets = {str(arg.target) for arg in cat.args[0]}
-    assert len(targets) == 1 and all(get_meta(a).quantizer is not None for a in cat.args[0])
-    # the cat output is already on the grid; the same module is called again so onnxruntime sees DQ->Concat->Q
-    assert [str(u.target) for u in cat.users] == list(targets)
+    inputs = [get_meta(a).quantizer for a in cat.args[0]]
+    assert [q.serves for q in inputs] == ["relu.output", "enc1.1.output"]  # each branch's own quantizer
+    (user,) = cat.users
+    output = get_meta(user).quantizer
+    assert output.serves.endswith(".output") and str(user.target) not in {str(a.target) for a in cat.args[0]}
 
 
 def test_insert_quantizers_bias_reads_the_input_and_weight_quantizers_it_derives_from():
