@@ -39,7 +39,7 @@ def _choices(report: object) -> str:
 
 def _minilm(settings: Settings, section: SectionResult) -> None:
     import coreai_opt as co
-    from coreai_opt.api.smooth_quant import smooth_quant
+    from coreai_opt.api.algorithms.smooth_quant import smooth_quant
 
     reason = H.minilm_available()
     if reason is not None:
@@ -154,7 +154,7 @@ def _encoder(settings: Settings, section: SectionResult, table: Table) -> None:
 
 def run(settings: Settings) -> SectionResult:
     """The auto_quantize section (module docstring)."""
-    from coreai_opt.api.auto_quantize.cost_measurement import load_or_measure
+    from coreai_opt.api.algorithms.auto_quantize.cost_measurement import load_or_measure
 
     section = SectionResult("auto", "co.auto_quantize (issue 19)")
     key = attempt(lambda: load_or_measure(threads=1).key, section, "cost table")

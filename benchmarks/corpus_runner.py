@@ -11,7 +11,7 @@ are compared with the float torch model:
 
     \\mathrm{SQNR} = 10 \\log_{10} \\frac{\\sum y^2}{\\sum (y - \\hat y)^2} \\;\\mathrm{dB}
 
-Integer kernels are counted in onnxruntime's optimised graph (:func:`coreai_opt.onnx.fusion_report`) for both
+Integer kernels are counted in onnxruntime's optimised graph (:func:`coreai_opt.onnx.verify.fusion_report`) for both
 files. Top-1 agreement compares argmaxes over the last axis (classes, or the vocabulary at every position); a
 disagreement between onnxruntime and eager counts as decisive unless it is a near tie by verify_onnx's rule.
 """

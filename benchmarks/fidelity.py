@@ -86,7 +86,8 @@ def run(settings: Settings) -> SectionResult:
     section.notes.append(
         "Whole-network differences of one or two output steps are expected: onnxruntime and torch accumulate float "
         "convolutions in different orders, which flips a few rounding ties that then propagate; co.verify_onnx "
-        "derives each output's tolerance from the kernels onnxruntime runs (coreai_opt.onnx.tolerance: 0 steps on "
+        "derives each output's tolerance from the kernels onnxruntime runs (coreai_opt.onnx.verify.tolerance: "
+        "0 steps on "
         "exact paths, one step per quantizer stage after float accumulation or requantisation)."
     )
     return section

@@ -48,8 +48,8 @@ def w8a8_dynamic_config() -> object:
     if hasattr(QuantizerConfig.presets, "w8a8_dynamic"):
         return QuantizerConfig.presets.w8a8_dynamic()
     from coreai_opt.config.quantizer_config import OpConfig
+    from coreai_opt.quantization.fake_quantize.dynamic_fake_quantize import dynamic_activation_spec
     from coreai_opt.quantization.spec import PerChannel, QuantizationSpec
-    from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
 
     weight = QuantizationSpec(dtype="int8", qscheme="symmetric", granularity=PerChannel(0))
     return QuantizerConfig(weight=None, activation=None).set_op_kind(
@@ -72,10 +72,10 @@ def run(quick: bool) -> str:
     reason = H.minilm_available()
     if reason is not None:
         return f"## MiniLM W8A8 (issue 8)\n\nNot run: {reason}\n"
-    from coreai_opt.api.activation_stats import input_absmax, outlier_rows
-    from coreai_opt.api.calibration_search import search_calibration
-    from coreai_opt.api.sensitivity import keep_sensitive, sensitivity
-    from coreai_opt.api.smooth_quant import smooth_quant
+    from coreai_opt.api.algorithms.activation_stats import input_absmax, outlier_rows
+    from coreai_opt.api.algorithms.calibration_search import search_calibration
+    from coreai_opt.api.algorithms.sensitivity import keep_sensitive, sensitivity
+    from coreai_opt.api.algorithms.smooth_quant import smooth_quant
     from coreai_opt.config import QuantizerConfig
 
     warnings.filterwarnings("ignore")

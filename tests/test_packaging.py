@@ -35,17 +35,40 @@ def _readme() -> str:
     return (ROOT / "README.md").read_text()
 
 
-def test_pyproject_packages_match_every_package_directory():
+def test_every_library_folder_is_a_package_found_by_setuptools_and_nothing_is_remapped():
+    """Tree = import paths: one installed package, ``coreai_opt``, found on disk, with no ``package-dir`` remap."""
     setuptools = _pyproject()["tool"]["setuptools"]
-    on_disk = _packages_on_disk(ROOT / "coreai_opt", "coreai_opt") | _packages_on_disk(
-        ROOT / "passes", "coreai_opt.passes"
+    assert "package-dir" not in setuptools and setuptools["packages"]["find"]["include"] == ["coreai_opt*"]
+    folders = {p.parent for p in (ROOT / "coreai_opt").rglob("*.py") if "__pycache__" not in p.parts}
+    assert all((folder / "__init__.py").exists() for folder in folders), sorted(folders)
+    assert len(_packages_on_disk(ROOT / "coreai_opt", "coreai_opt")) >= 15
+
+
+def test_a_checkout_imports_its_passes_from_the_root_without_installing(tmp_path):
+    """``python -c "import coreai_opt.passes"`` from a copy of the tree that nothing installed."""
+    import shutil
+
+    shutil.copytree(ROOT / "coreai_opt", tmp_path / "coreai_opt", ignore=shutil.ignore_patterns("__pycache__"))
+    code = (
+        "import coreai_opt.passes, coreai_opt.quantization.spec as s; "
+        "print(coreai_opt.passes.__file__, s.StatefulQParamsCalculatorBase.__name__)"
     )
-    listed = set(setuptools["packages"])
-    assert listed == on_disk, f"missing from pyproject: {on_disk - listed}; listed but absent: {listed - on_disk}"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stderr
+    path, name = done.stdout.split()
+    assert Path(path) == tmp_path / "coreai_opt" / "passes" / "__init__.py" and name == "StatefulQParamsCalculatorBase"
 
 
-def test_pyproject_package_dir_maps_passes_into_coreai_opt():
-    assert _pyproject()["tool"]["setuptools"]["package-dir"]["coreai_opt.passes"] == "passes"
+def test_every_module_imports_from_the_path_its_file_has():
+    import importlib
+
+    for path in sorted((ROOT / "coreai_opt").rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        assert Path(importlib.import_module(name).__file__) == path, name
 
 
 def test_pyproject_console_script_points_at_cli_main():
@@ -94,3 +117,46 @@ def test_readme_links_exist():
     for target in ("benchmarks/RESULTS.md", "docs/ARCHITECTURE.md", "examples/quickstart.py"):
         assert target in readme
         assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+
+
+def _import_alone(name: str) -> str:
+    """Import one module in a forked child whose parent imported no coreai_opt module; '' or the error."""
+    import importlib
+    import traceback
+
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - reported to the parent as text
+        return traceback.format_exc(limit=-3)
+    return ""
+
+
+def test_every_tensor_level_module_imports_first_without_a_circle():
+    """Import order cannot matter: each module of ``quantization/`` and ``graph/`` imported first, in a fresh fork.
+
+    A package face that eagerly imports a module which imports back into the package fails only for some
+    first imports (``ranges.range_calculator`` -> ``spec`` -> ``builtin_qparams_calculators`` -> ``ranges``).
+    """
+    import multiprocessing
+
+    names = []
+    for folder in ("quantization", "graph"):
+        for path in sorted((ROOT / "coreai_opt" / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    code = (
+        "import multiprocessing, sys, torch, onnx, onnxscript, pydantic\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from tests.test_packaging import _import_alone\n"
+        "names = sys.argv[2:]\n"
+        "with multiprocessing.get_context('fork').Pool(2, maxtasksperchild=1) as pool:\n"
+        "    errors = pool.map(_import_alone, names, chunksize=1)\n"
+        "bad = [f'{n}: {e}' for n, e in zip(names, errors) if e]\n"
+        "print(len(names)); print('\\n'.join(bad))\n"
+    )
+    assert multiprocessing.get_all_start_methods()[0] == "fork"
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT), *names], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    count, *errors = done.stdout.strip().split("\n")
+    assert int(count) == len(names) >= 40 and not [e for e in errors if e], "\n".join(errors)

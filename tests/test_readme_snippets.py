@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coreai_opt.cli.readme_snippets import SNIPPETS, readme_blocks, replace_readme_blocks
 from tests.api.auto_quantize.conftest import plant_cost_table
+from tools.readme_snippets import SNIPPETS, readme_blocks, replace_readme_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -20,7 +20,7 @@ def test_every_snippet_is_quoted_in_the_readme_exactly_as_generated():
     assert sorted(blocks) == sorted(SNIPPETS)
     for name, text in blocks.items():
         generated = (ROOT / name).read_text()
-        assert generated.strip(), f"{name} is empty: run python -m coreai_opt.cli.readme_snippets"
+        assert generated.strip(), f"{name} is empty: run python -m tools.readme_snippets"
         assert text == generated, f"README block for {name} differs from the file; rerun the generator"
 
 

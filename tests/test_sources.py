@@ -7,9 +7,9 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LIBRARY = sorted([*(ROOT / "coreai_opt").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
+LIBRARY = sorted((ROOT / "coreai_opt").rglob("*.py"))
 #: The node-level (node_meta.py) and graph-level (graph_meta.py) accessors are the only readers of the key.
-META_ACCESSORS = {ROOT / "passes" / "node_meta.py", ROOT / "passes" / "graph_meta.py"}
+META_ACCESSORS = {ROOT / "coreai_opt" / "graph" / "node_meta.py", ROOT / "coreai_opt" / "graph" / "graph_meta.py"}
 
 
 def _is_meta_key(node: ast.expr) -> bool:
@@ -56,7 +56,7 @@ def test_no_private_name_is_imported_from_another_module() -> None:
     assert offenders == []
 
 
-SPEC_LAYER = ROOT / "coreai_opt" / "quantization" / "spec"
+SPEC_LAYER = ROOT / "coreai_opt" / "quantization"
 #: FakeQuantize internals that callers reach only through its public API (get_qparams, observe, commit,
 #: reset_statistics, stateful / has_qparams / has_statistics, exports_dynamic, rounds_with_data).
 _INTERNALS = {"calculator"}

@@ -26,22 +26,22 @@ import torch
 from torch import fx
 from tqdm.auto import tqdm
 
-from coreai_opt.api._state import (
+from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
+from coreai_opt.api.internals.batches import as_call
+from coreai_opt.api.internals.hessian_groups import check_reiterable, hessian_budget, hessian_groups
+from coreai_opt.api.internals.input_checks import check_batch, given_inputs, token_inputs
+from coreai_opt.api.internals.model_guard import exclusive_model
+from coreai_opt.api.internals.quantizer_snapshot import QuantizerSnapshot
+from coreai_opt.api.internals.quantizer_state import (
     bias_quantizers,
     commit_weight_qparams,
     fake_quantizers,
     input_statistics,
     weight_quantizer_inputs,
 )
-from coreai_opt.api.batches import as_call
-from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
-from coreai_opt.api.hessian_groups import check_reiterable, hessian_budget, hessian_groups
-from coreai_opt.api.input_checks import check_batch, given_inputs, token_inputs
-from coreai_opt.api.model_guard import exclusive_model
-from coreai_opt.api.quantizer_snapshot import QuantizerSnapshot
 from coreai_opt.error_boundary import error_stage, public_api
-from coreai_opt.passes.graph_meta import GraphMeta, require_graph_meta
-from coreai_opt.quantization.spec.input_statistics import InputStatistics
+from coreai_opt.graph.graph_meta import GraphMeta, require_graph_meta
+from coreai_opt.quantization.rounding.input_statistics import InputStatistics
 
 __all__ = ["calibrate"]
 
@@ -120,7 +120,7 @@ def calibrate(
         sync: ``"auto"``, ``"every_batch"`` or ``"never"`` (torch.distributed statistics merging).
         hessian_memory: Bytes of GPTQ ``d × d`` Hessians accumulated per pass over ``data``; when all of them
             need more, ``data`` is run once per group of linears and each group is rounded and freed before
-            the next (:mod:`~coreai_opt.api.hessian_groups`; bit-identical results). None: a quarter of the
+            the next (:mod:`~coreai_opt.api.internals.hessian_groups`; bit-identical results). None: a quarter of the
             model's fp32 parameter bytes, at least 256 MiB. Several passes need re-iterable ``data`` (a list,
             a DataLoader).
 

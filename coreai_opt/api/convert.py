@@ -13,13 +13,13 @@ from dataclasses import replace
 
 from torch import fx
 
-from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
-from coreai_opt.api.model_guard import check_model_idle
+from coreai_opt.api.internals.model_guard import check_model_idle
+from coreai_opt.api.internals.quantizer_state import bias_quantizers, commit_weight_qparams, fake_quantizers
 from coreai_opt.error_boundary import public_api
+from coreai_opt.graph.finite_weights import check_finite_weights
+from coreai_opt.graph.graph_meta import require_graph_meta, set_graph_meta
+from coreai_opt.graph.shared_parameters import copy_sharing_parameters, protect_shared_parameters
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
-from coreai_opt.passes.finite_weights import check_finite_weights
-from coreai_opt.passes.graph_meta import require_graph_meta, set_graph_meta
-from coreai_opt.passes.shared_parameters import copy_sharing_parameters, protect_shared_parameters
 
 __all__ = ["convert"]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from torch import nn
 
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.error_boundary import public_api
-from coreai_opt.quantization.spec.fake_quantize import spec_summary
+from coreai_opt.quantization.fake_quantize.fake_quantize import spec_summary
 
 __all__ = ["load_state_dict"]
 

@@ -24,25 +24,25 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from coreai_opt.api._state import bias_quantizers, commit_weight_qparams, fake_quantizers
-from coreai_opt.api.unmatched_config import warn_unmatched_entries
+from coreai_opt.api.internals.quantizer_state import bias_quantizers, commit_weight_qparams, fake_quantizers
+from coreai_opt.api.internals.unmatched_config import warn_unmatched_entries
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
-from coreai_opt.passes.activation_axes import check_activation_axes
+from coreai_opt.graph.activation_axes import check_activation_axes
+from coreai_opt.graph.finite_weights import check_finite_weights
+from coreai_opt.graph.graph_meta import InputSpec, get_graph_meta, set_graph_meta
+from coreai_opt.graph.node_meta import get_meta
+from coreai_opt.graph.shared_parameters import protect_shared_parameters
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.decompose_attention import decompose_attention
-from coreai_opt.passes.finite_weights import check_finite_weights
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
-from coreai_opt.passes.graph_meta import InputSpec, get_graph_meta, set_graph_meta
 from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.int8_compute_inputs import int8_compute_inputs
-from coreai_opt.passes.node_meta import get_meta
-from coreai_opt.passes.shared_parameters import protect_shared_parameters
 
 __all__ = ["prepare"]
 
@@ -73,7 +73,7 @@ def prepare(
     """Return a quantization-ready copy of ``model`` (the model itself is never modified).
 
     Post-training (``qat=False``) the copy shares the storage of ``model``'s parameters instead of duplicating the
-    weights (:mod:`coreai_opt.passes.shared_parameters`): they are read-only in the prepared model
+    weights (:mod:`coreai_opt.graph.shared_parameters`): they are read-only in the prepared model
     (``requires_grad=False``; ``load_state_dict`` first gives them their own storage). Do not write into them in
     place (that would write into ``model``); prepare with ``qat=True`` to train, which copies the weights.
 
@@ -91,7 +91,7 @@ def prepare(
         qat: Prepare for quantization-aware training (train mode, observers and fake quantization on).
 
     Returns:
-        The prepared GraphModule; its :class:`~coreai_opt.passes.graph_meta.GraphMeta`
+        The prepared GraphModule; its :class:`~coreai_opt.graph.graph_meta.GraphMeta`
         (``get_graph_meta(prepared)``) holds ``capture``, ``converted``, ``input_names``, ``config``, ``qat``
         and ``input_specs``.
 

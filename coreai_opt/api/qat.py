@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from coreai_opt.api._state import bias_quantizers, fake_quantizers
+from coreai_opt.api.internals.quantizer_state import bias_quantizers, fake_quantizers
 from coreai_opt.error_boundary import public_api
 
 __all__ = ["enable_observers", "enable_fake_quant"]

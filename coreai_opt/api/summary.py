@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from torch import fx
 
 from coreai_opt.error_boundary import public_api
-from coreai_opt.passes.graph_meta import require_graph_meta
-from coreai_opt.passes.node_meta import Role, get_meta, node_label
+from coreai_opt.graph.graph_meta import require_graph_meta
+from coreai_opt.graph.node_meta import Role, get_meta, node_label
 from coreai_opt.quantization.spec import FakeQuantize
 
 __all__ = ["summary", "QuantizationSummary", "QuantizerRow", "FloatOpRow"]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreai_opt.cli.errors import CliError, one_line
-from coreai_opt.onnx.save import write_text_atomically
+from coreai_opt.cli.usage_errors import CliError, one_line
+from coreai_opt.onnx.export.save import write_text_atomically
 
 if TYPE_CHECKING:
     from torch import fx, nn
@@ -71,7 +71,7 @@ def run_auto(model: nn.Module, batches: list[tuple[Any, ...]], max_error: float 
              ) -> AutoOutcome:
     """Run :func:`coreai_opt.auto_quantize` on the calibration batches (example inputs: the first batch)."""
     import coreai_opt as co
-    from coreai_opt.api.auto_quantize import DEFAULT_MAX_ERROR
+    from coreai_opt.api.algorithms.auto_quantize import DEFAULT_MAX_ERROR
 
     try:
         result = co.auto_quantize(model, batches, batches[0], max_error=max_error or DEFAULT_MAX_ERROR,

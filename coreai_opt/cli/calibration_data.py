@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreai_opt.cli.errors import CliError, one_line
 from coreai_opt.cli.input_specs import random_inputs
 from coreai_opt.cli.model_files import LoadedModel, forward_inputs
+from coreai_opt.cli.usage_errors import CliError, one_line
 
 if TYPE_CHECKING:
     import torch

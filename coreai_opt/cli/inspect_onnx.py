@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreai_opt.cli.errors import EXIT_OK, CliError, one_line
+from coreai_opt.cli.usage_errors import EXIT_OK, CliError, one_line
 
 if TYPE_CHECKING:
     import onnx
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         CliError: Missing or unreadable model file, or an unreadable rewrite report in it.
     """
-    from coreai_opt.onnx.rewrite.report import read_report
+    from coreai_opt.onnx.rewrite.rewrite_report import read_report
 
     model = load_onnx(args.model)
     try:

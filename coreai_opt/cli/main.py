@@ -26,7 +26,7 @@ from importlib import metadata
 from coreai_opt import third_party_noise
 from coreai_opt.cli import demo, inspect_onnx, quantize
 from coreai_opt.cli.console import Console
-from coreai_opt.cli.errors import EXIT_OK, EXIT_USAGE, one_line
+from coreai_opt.cli.usage_errors import EXIT_OK, EXIT_USAGE, one_line
 
 _SUBCOMMANDS = (demo, quantize, inspect_onnx)
 TRUST_NOTE = (

@@ -80,7 +80,7 @@ def export_float_onnx(model: torch.nn.Module, example_inputs: tuple[torch.Tensor
     import onnx
     import torch
 
-    from coreai_opt.onnx.export import strip_debug_metadata
+    from coreai_opt.onnx.export.export_onnx import strip_debug_metadata
 
     dynamic_shapes = None
     if dynamic_batch:

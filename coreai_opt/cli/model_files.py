@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreai_opt.cli.errors import CliError, one_line
 from coreai_opt.cli.pt2_archive import check_pt2_archive
+from coreai_opt.cli.usage_errors import CliError, one_line
 
 if TYPE_CHECKING:
     import torch

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coreai_opt.cli.console import Console
-from coreai_opt.cli.errors import CliError
-from coreai_opt.cli.report import report_paths
+from coreai_opt.cli.quantize_report import report_paths
+from coreai_opt.cli.usage_errors import CliError
 
 if TYPE_CHECKING:
     from torch import fx
@@ -49,8 +49,8 @@ def check_opset_for_model(opset: int | None, prepared: fx.GraphModule, console: 
         CliError: ``--opset`` is outside the exporter's range or below what a quantizer's dtype or granularity
             needs (the message names it and the opset to pass).
     """
-    from coreai_opt.onnx.model_quantizers import quantizer_uses
-    from coreai_opt.onnx.opset import (
+    from coreai_opt.onnx.export.model_quantizers import quantizer_uses
+    from coreai_opt.onnx.export.opset import (
         GELU_OPSET,
         MAX_OPSET,
         MIN_OPSET,
@@ -58,8 +58,8 @@ def check_opset_for_model(opset: int | None, prepared: fx.GraphModule, console: 
         required_opset,
         select_opset,
     )
+    from coreai_opt.quantization.fake_quantize.bias_fake_quantize import BiasFakeQuantize
     from coreai_opt.quantization.spec import FakeQuantize
-    from coreai_opt.quantization.spec.bias_fake_quantize import BiasFakeQuantize
 
     quantizers = [m for m in prepared.modules() if isinstance(m, (FakeQuantize, BiasFakeQuantize))]
     uses = quantizer_uses(quantizers)

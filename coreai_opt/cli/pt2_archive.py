@@ -17,7 +17,7 @@ import re
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from coreai_opt.cli.errors import CliError, one_line
+from coreai_opt.cli.usage_errors import CliError, one_line
 
 __all__ = ["check_pt2_archive"]
 

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 from coreai_opt.cli import auto, input_specs, measurements, tuning
 from coreai_opt.cli.calibration_data import build_samples, check_data_sources, check_hf_only_options
 from coreai_opt.cli.console import Console
-from coreai_opt.cli.errors import EXIT_OK, EXIT_VERIFICATION_FAILED, CliError, one_line
 from coreai_opt.cli.model_files import EXPORT_SUFFIX, TORCHSCRIPT_SUFFIXES, load_model
 from coreai_opt.cli.option_checks import check_opset_for_model, check_output_path
-from coreai_opt.cli.report import QuantizeReport, Sizes, write_report
+from coreai_opt.cli.quantize_report import QuantizeReport, Sizes, write_report
+from coreai_opt.cli.usage_errors import EXIT_OK, EXIT_VERIFICATION_FAILED, CliError, one_line
 
 if TYPE_CHECKING:
     import torch

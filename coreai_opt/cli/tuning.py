@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from coreai_opt.cli.errors import CliError, one_line
+from coreai_opt.cli.usage_errors import CliError, one_line
 
 if TYPE_CHECKING:
     from torch import fx, nn

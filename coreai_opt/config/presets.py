@@ -42,6 +42,7 @@ from typing import NamedTuple
 from coreai_opt.config.op_config import OpConfig
 from coreai_opt.config.quantizer_config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
+from coreai_opt.quantization.fake_quantize.dynamic_fake_quantize import dynamic_activation_spec
 from coreai_opt.quantization.spec import (
     PerBlock,
     PerChannel,
@@ -50,7 +51,6 @@ from coreai_opt.quantization.spec import (
     QuantizationSpec,
     get_dtype_info,
 )
-from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
 
 __all__ = [
     "ACTIVATION_RANGES",
@@ -295,7 +295,7 @@ def w8a8_dynamic() -> QuantizerConfig:
     and its zero point from each tensor (ONNX ``DynamicQuantizeLinear``), so ``calibrate`` has nothing to observe;
     the exported ``DynamicQuantizeLinear → MatMul`` pairs run as onnxruntime ``DynamicQuantizeMatMul``, the kernel
     ``quantize_dynamic`` uses. Everything that is not a linear stays float. Smooth outliers first with
-    ``coreai_opt.api.smooth_quant.smooth_quant`` (a separate step: it rewrites the float model).
+    ``coreai_opt.api.algorithms.smooth_quant.smooth_quant`` (a separate step: it rewrites the float model).
     """
     return QuantizerConfig(weight=None, activation=None).set_op_kind(
         "linear", OpConfig(weight=_per_channel_weight("int8"), activation=dynamic_activation_spec())

@@ -9,17 +9,25 @@ the nearest class in the op's module's MRO.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from enum import Enum
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 from coreai_opt.config.module_types import qualified_name
 from coreai_opt.config.op_config import OpConfig
 from coreai_opt.quantization.spec import QuantizationSpec
 
-if TYPE_CHECKING:
-    from coreai_opt.config.quantizer_config import QuantizerConfig
+__all__ = ["ConfigLevels", "ResolvedSpecs", "resolve_specs"]
 
-__all__ = ["ResolvedSpecs", "resolve_specs"]
+
+class ConfigLevels(Protocol):
+    """The levels of a :class:`~coreai_opt.config.quantizer_config.QuantizerConfig` that resolution reads."""
+
+    weight: QuantizationSpec | None
+    activation: QuantizationSpec | None
+    module_name: Mapping[str, OpConfig | None]
+    module_type: Mapping[str, OpConfig | None]
+    op_kind: Mapping[str, OpConfig | None]
 
 
 class ResolvedSpecs(NamedTuple):
@@ -39,7 +47,7 @@ class ResolvedSpecs(NamedTuple):
 
 
 def resolve_specs(
-    config: QuantizerConfig, op_kind: str, module_name: str | None, module_type: type | None
+    config: ConfigLevels, op_kind: str, module_name: str | None, module_type: type | None
 ) -> ResolvedSpecs:
     """Decide the weight and activation specs of one op (the body of :meth:`QuantizerConfig.resolve`).
 

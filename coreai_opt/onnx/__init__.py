@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
-from coreai_opt.onnx.export import export_onnx
-from coreai_opt.onnx.fusion_report import FusionReport, fusion_report
-from coreai_opt.onnx.localize import Divergence, localize_divergence
-from coreai_opt.onnx.verify import VerificationReport, verify_onnx
+from coreai_opt.onnx.export.export_onnx import export_onnx
+from coreai_opt.onnx.verify.fusion_report import FusionReport, fusion_report
+from coreai_opt.onnx.verify.localize import Divergence, localize_divergence
+from coreai_opt.onnx.verify.verify_onnx import VerificationReport, verify_onnx
 
 __all__ = [
     "export_onnx",

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.api.awq import awq_scale
+from coreai_opt.api.algorithms.awq import awq_scale
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.quantization.spec import PerBlock, QuantizationSpec
 

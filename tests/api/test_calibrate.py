@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from coreai_opt.api import calibrate, prepare
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.config import QuantizerConfig
 from tests.zoo import build
 
@@ -96,7 +96,7 @@ def test_calibrate_rejects_models_not_from_prepare():
 
 
 def test_calibrate_never_rescans_weights_per_batch_and_recommits_only_changed_ones():
-    from coreai_opt.api._state import weight_quantizer_inputs
+    from coreai_opt.api.internals.quantizer_state import weight_quantizer_inputs
 
     model, example, batches = build("resnet18")
     prepared = prepare(model, QuantizerConfig.presets.w8a8(), example)

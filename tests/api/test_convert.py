@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from coreai_opt.api import calibrate, convert, enable_fake_quant, enable_observers, prepare
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.config import QuantizerConfig
-from coreai_opt.passes.node_meta import get_meta
-from coreai_opt.passes.op_kinds import OpKind
-from coreai_opt.quantization.spec.dynamic_fake_quantize import DynamicFakeQuantize, dynamic_activation_spec
+from coreai_opt.graph.node_meta import get_meta
+from coreai_opt.graph.op_kinds import OpKind
+from coreai_opt.quantization.fake_quantize.dynamic_fake_quantize import DynamicFakeQuantize, dynamic_activation_spec
 from tests.zoo import build
 
 

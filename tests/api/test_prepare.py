@@ -9,8 +9,8 @@ from torch import nn
 from coreai_opt.api import calibrate, convert, enable_observers, prepare, summary
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
+from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, get_graph_meta
 from coreai_opt.passes.capture import CaptureError
-from coreai_opt.passes.graph_meta import GraphMeta, InputSpec, get_graph_meta
 from coreai_opt.quantization.spec import QuantizationSpec
 from tests.zoo import PRESETS, ZOO, build, preset_config, weighted_layer_count
 

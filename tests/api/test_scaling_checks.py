@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coreai_opt.api.scaling_checks import check_float_outputs_kept, keep_token_rows
+from coreai_opt.api.algorithms.scaling_checks import check_float_outputs_kept, keep_token_rows
 
 
 def test_check_accepts_a_move_at_the_bound_and_names_the_change_above_it() -> None:

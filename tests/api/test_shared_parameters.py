@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.passes.shared_parameters import copy_sharing_parameters, is_shared, unshare_parameters
+from coreai_opt.graph.shared_parameters import copy_sharing_parameters, is_shared, unshare_parameters
 
 
 def _model() -> nn.Module:

@@ -11,9 +11,10 @@ from onnx import numpy_helper
 from torch import nn
 
 import coreai_opt as co
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.quantization.rounding.input_statistics import InputStatistics
 from coreai_opt.quantization.spec import PerBlock, QuantizationSpec
-from coreai_opt.quantization.spec.input_statistics import InputStatistics
 
 
 class _Net(nn.Module):
@@ -46,7 +47,7 @@ def _config(rounding: str, qscheme: str = "asymmetric") -> QuantizerConfig:
 
 
 def _roundings(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
-    return {fq.name: fq.rounding.qweight.clone() for _, fq in co.api._state.fake_quantizers(gm)}
+    return {fq.name: fq.rounding.qweight.clone() for _, fq in fake_quantizers(gm)}
 
 
 def test_statistics_observe_only_the_linear_input_edges_and_change_no_value() -> None:
@@ -119,7 +120,7 @@ def test_exported_int4_weights_are_the_eager_integers_and_onnxruntime_matches_ea
             if t.data_type == onnx.TensorProto.INT4 and t.name in dq_inputs]
     int4 += [_unpacked_int4(n, proto) for n in proto.graph.node if n.op_type == "MatMulNBits"]  # 3-D linears
     eager = {tuple(fq.rounding.qweight.shape): fq.rounding.qweight.numpy()
-             for _, fq in co.api._state.fake_quantizers(converted)}
+             for _, fq in fake_quantizers(converted)}
     assert len(int4) == 3
     for array in int4:  # stored as [out, in] or transposed [in, out] for MatMul
         match = eager.get(array.shape)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coreai_opt.api.auto_quantize import cost_measurement
+from coreai_opt.api.algorithms.auto_quantize import cost_measurement
 from coreai_opt.cli.main import main
 from coreai_opt.config import QuantizerConfig
 from tests.api.auto_quantize.conftest import plant_cost_table

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from coreai_opt.cli.calibration_data import bind_to_forward
-from coreai_opt.cli.errors import CliError
 from coreai_opt.cli.input_specs import InputSpec, parse_input_spec, random_inputs
 from coreai_opt.cli.main import main
+from coreai_opt.cli.usage_errors import CliError
 from tests.cli.conftest import one_line_error
 
 TOKEN_MODEL = textwrap.dedent(

@@ -18,9 +18,9 @@ from onnx import helper as oh
 from onnx import numpy_helper as nh
 
 from coreai_opt.cli import demo
-from coreai_opt.cli.errors import CliError, one_line
 from coreai_opt.cli.inspect_onnx import summarize_qdq
 from coreai_opt.cli.main import main
+from coreai_opt.cli.usage_errors import CliError, one_line
 
 MODELS_PY = textwrap.dedent(
     """

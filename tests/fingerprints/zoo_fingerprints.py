@@ -132,7 +132,7 @@ def fingerprint(name: str, preset: str, smooth: str, directory: Path) -> dict[st
         float_output = model(*example)
     capture = "auto"
     if smooth != "none":
-        from coreai_opt.api.smooth_quant import smooth_quant
+        from coreai_opt.api.algorithms.smooth_quant import smooth_quant
 
         model = smooth_quant(model, [(b,) for b in batches], example, alpha=0.5,
                              insert_mul=smooth == "insert_mul").model

@@ -15,12 +15,13 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.errors import CoreaiOptRuntimeError
-from coreai_opt.onnx import export as export_module
-from coreai_opt.onnx import rounded_weights
-from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, QuantizationSpec, rounding_gptq
-from coreai_opt.quantization.spec.input_statistics import InputStatistics
-from coreai_opt.quantization.spec.rounding_gptq import GPTQRounding, inverse_hessian_factor
-from coreai_opt.quantization.spec.weight_rounding import RTNRounding, WeightRoundingBase
+from coreai_opt.onnx.export import export_onnx as export_module
+from coreai_opt.onnx.export import rounded_weights
+from coreai_opt.quantization.rounding import gptq as rounding_gptq
+from coreai_opt.quantization.rounding.gptq import GPTQRounding, inverse_hessian_factor
+from coreai_opt.quantization.rounding.input_statistics import InputStatistics
+from coreai_opt.quantization.rounding.weight_rounding import RTNRounding, WeightRoundingBase
+from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, QuantizationSpec
 
 
 def _converted_w4() -> tuple[nn.Module, torch.Tensor]:
@@ -88,7 +89,7 @@ def test_chunked_dequantize_is_bit_exact(granularity, monkeypatch) -> None:
     rounding.commit(weight)
     q = rounding.qweight.float()
     formula = (q - granularity.expand(rounding.zero_point.float(), q)) * granularity.expand(rounding.scale, q)
-    monkeypatch.setattr("coreai_opt.quantization.spec.weight_rounding._ROW_CHUNK", 100)  # many chunks
+    monkeypatch.setattr("coreai_opt.quantization.rounding.weight_rounding._ROW_CHUNK", 100)  # many chunks
     assert torch.equal(rounding.dequantized().view(torch.int32), formula.view(torch.int32))
 
 
@@ -133,7 +134,7 @@ def test_row_chunked_round_to_nearest_is_bit_exact(granularity, qscheme, monkeyp
     weight = torch.randn(48, 64)
     spec = QuantizationSpec(dtype="int4", granularity=granularity, qscheme=qscheme)
     whole = RTNRounding(spec).round_weight(weight, None)
-    monkeypatch.setattr("coreai_opt.quantization.spec.weight_rounding._ROW_CHUNK", 100)
+    monkeypatch.setattr("coreai_opt.quantization.rounding.weight_rounding._ROW_CHUNK", 100)
     chunked = RTNRounding(spec).round_weight(weight, None)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked, strict=True))
     assert whole.q.dtype == torch.int32 and int(whole.q.min()) >= -8 and int(whole.q.max()) <= 7
@@ -142,7 +143,7 @@ def test_row_chunked_round_to_nearest_is_bit_exact(granularity, qscheme, monkeyp
 @pytest.mark.parametrize(("shape", "axis", "block"), [((64, 96), 1, 32), ((64, 96), 0, 16), ((8, 48, 5), 1, 16)])
 @pytest.mark.parametrize("dtype", ["int4", "float8_e4m3fn"])
 def test_per_block_fake_quantization_on_the_blocked_view_is_bit_exact(shape, axis, block, dtype) -> None:
-    from coreai_opt.quantization.spec.quantize_dequantize_op import quantize_dequantize
+    from coreai_opt.quantization.ops.quantize_dequantize_op import quantize_dequantize
 
     torch.manual_seed(5)
     x = torch.randn(shape) * 3
@@ -164,7 +165,7 @@ def test_per_block_fake_quantization_on_the_blocked_view_is_bit_exact(shape, axi
 
 
 def test_calibrates_rollback_snapshot_keeps_the_rounding_results_by_reference() -> None:
-    from coreai_opt.api.quantizer_snapshot import QuantizerSnapshot
+    from coreai_opt.api.internals.quantizer_snapshot import QuantizerSnapshot
 
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 64)).eval()

@@ -11,8 +11,8 @@ import math
 import torch
 from torch import nn
 
-from coreai_opt.quantization.spec.bias_fake_quantize import BiasFakeQuantize
-from coreai_opt.quantization.spec.fake_quantize import FakeQuantize
+from coreai_opt.quantization.fake_quantize.bias_fake_quantize import BiasFakeQuantize
+from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
 from coreai_opt.quantization.spec.granularity import Granularity, PerBlock, PerChannel, PerTensor
 from coreai_opt.quantization.spec.spec import QuantizationSpec
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.onnx.dynamic_axes import input_axes
-from coreai_opt.passes.graph_meta import get_graph_meta
+from coreai_opt.graph.graph_meta import get_graph_meta
+from coreai_opt.onnx.export.dynamic_axes import input_axes
 
 VOCAB, D, MAX_T = 50, 32, 64
 

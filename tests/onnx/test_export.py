@@ -13,8 +13,8 @@ from onnx import numpy_helper
 from torch import nn
 
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.onnx import save as save_module
-from coreai_opt.quantization.spec.fake_quantize import FakeQuantize
+from coreai_opt.onnx.export import save as save_module
+from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
 from coreai_opt.quantization.spec.granularity import PerBlock, PerTensor
 from tests.onnx.qmodels import FLOAT8, ActivationAndWeight, QuantConv, QuantMLP, freeze, make_fq, power_of_two_scales
 

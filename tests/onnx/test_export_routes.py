@@ -14,8 +14,8 @@ from torch import nn
 from torch.onnx._internal.exporter._errors import ConversionError
 
 import coreai_opt as co
-import coreai_opt.onnx.export as onnx_export
-from coreai_opt.onnx.export_routes import ExportRouteError, failure_site
+import coreai_opt.onnx.export.export_onnx as onnx_export
+from coreai_opt.onnx.export.export_routes import ExportRouteError, failure_site
 
 _T5_FAILURE = (
     "Failed to decompose the FX graph for ONNX compatibility. This is step 2/3 of exporting the model to ONNX.\n"

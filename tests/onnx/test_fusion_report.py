@@ -6,7 +6,7 @@ import pytest
 
 from coreai_opt.onnx import FusionReport, fusion_report
 from coreai_opt.onnx.rewrite import apply
-from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
+from coreai_opt.onnx.rewrite.rules.fold_quantized_weights import FoldQuantizedWeights
 from tests.onnx.onnx_graphs import conv_qdq_model, save
 
 

@@ -211,8 +211,8 @@ def test_int8_compute_kernel_on_the_decoder_file_equals_the_emulation_of_its_own
     import onnxruntime as ort
     from onnx import helper
 
-    from coreai_opt.onnx.int8_compute_steps import file_weight, input_row_steps
-    from coreai_opt.quantization.spec.int8_compute import accumulation_bound, int8_compute_activation
+    from coreai_opt.onnx.verify.int8_compute_steps import file_weight, input_row_steps
+    from coreai_opt.quantization.matmul_nbits.int8_compute import accumulation_bound, int8_compute_activation
 
     _, path, inputs = gpt(preset, "int8")
     proto, layers = _int8_layers(path)

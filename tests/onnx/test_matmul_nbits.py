@@ -19,9 +19,9 @@ from torch import nn
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.onnx.matmul_nbits_weight import INT8_EMULATED_SUFFIX
-from coreai_opt.onnx.rewrite.write_matmul_nbits import UnconsumedInt8ComputeError, write_matmul_nbits
-from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation
+from coreai_opt.onnx.rewrite.matmul_nbits_weight import INT8_EMULATED_SUFFIX
+from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import UnconsumedInt8ComputeError, write_matmul_nbits
+from coreai_opt.quantization.matmul_nbits.int8_compute_op import Int8ComputeActivation
 
 
 class _TwoLinears(nn.Module):

@@ -16,10 +16,10 @@ import onnxruntime as ort
 import pytest
 
 from coreai_opt.onnx.rewrite import apply
-from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
-from coreai_opt.onnx.rewrite.guard_quantized_sums import GuardQuantizedSums
-from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
-from coreai_opt.onnx.runtimes import open_runner
+from coreai_opt.onnx.rewrite.rules.fold_constant_activations import FoldConstantActivations
+from coreai_opt.onnx.rewrite.rules.guard_quantized_sums import GuardQuantizedSums
+from coreai_opt.onnx.rewrite.rules.means_to_sum_and_divide import MeansToSumAndDivide
+from coreai_opt.onnx.verify.runtimes import open_runner
 from tests.onnx.openvino_graphs import (
     MEAN_OUT,
     RESHAPED_SUM,

@@ -64,7 +64,7 @@ def test_openvino_cpu_agrees_with_eager_within_the_derived_tolerance(name: str, 
 
 
 def test_verify_onnx_rejects_an_unknown_runtime(tmp_path: Path) -> None:
-    from coreai_opt.onnx.runtimes import open_runner
+    from coreai_opt.onnx.verify.runtimes import open_runner
 
     with pytest.raises(ValueError, match="runtime must be one of"):
         open_runner(tmp_path / "x.onnx", "tensorrt")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from coreai_opt.onnx.opset import GELU_OPSET, MAX_OPSET, MIN_OPSET, QuantizerUse, preferred_opset, select_opset
+from coreai_opt.onnx.export.opset import GELU_OPSET, MAX_OPSET, MIN_OPSET, QuantizerUse, preferred_opset, select_opset
 
 
 @pytest.mark.parametrize(

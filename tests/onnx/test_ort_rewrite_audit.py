@@ -1,7 +1,7 @@
 """The onnxruntime rewrite audit: every kernel onnxruntime substitutes into a zoo export must be in our table.
 
 Each zoo model x preset is exported, loaded at ``ORT_ENABLE_ALL`` (onnxruntime's default level) and its optimized
-graph dumped; every op type in it must be listed in ``coreai_opt.onnx.ort_kernels`` with a status other than
+graph dumped; every op type in it must be listed in ``coreai_opt.onnx.verify.ort_kernels`` with a status other than
 ``diverges``. A kernel we have not classified (a new onnxruntime release) or one that computes differently from
 eager fails here instead of silently changing numbers.
 """
@@ -17,13 +17,13 @@ import pytest
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx
-from coreai_opt.onnx.fusion_report import optimized_model
-from coreai_opt.onnx.ort_kernels import Status, kernel_numerics
+from coreai_opt.onnx.verify.fusion_report import optimized_model
+from coreai_opt.onnx.verify.ort_kernels import Status, kernel_numerics
 from tests.zoo import ZOO, build, preset_config
 
 # The weight-only 3-D linears of transformer_encoder / shape_unpack under w8 / w8a16 used to be fused by onnxruntime
 # into MatMulNBits at accuracy_level=4 (int8 activations); the export now writes MatMulNBits itself with
-# accuracy_level=1 (coreai_opt/onnx/rewrite/write_matmul_nbits.py), so those cells pass.
+# accuracy_level=1 (coreai_opt/onnx/rewrite/rules/write_matmul_nbits.py), so those cells pass.
 #: mobilenet_v2 is the slowest zoo export (15-22 s a cell); over the CNNs resnet18, conv1d_groupnorm and
 #: conv_transpose_decoder it adds only HardSigmoid (every preset) and the float8 guard's Min (fp8), measured per
 #: preset, so its w8a8 and fp8 cells run by default and the other five under ``-m slow``.
@@ -53,7 +53,7 @@ def test_onnxruntime_substitutes_only_kernels_whose_numerics_we_emulate_or_pin(n
     unknown = sorted({f"{n.domain or 'ai.onnx'}:{n.op_type}" for n in optimized if kernel_numerics(n) is None})
     diverging = sorted({f"{n.op_type} ({kernel_numerics(n).why})" for n in optimized
                         if kernel_numerics(n) is not None and kernel_numerics(n).status is Status.DIVERGES})
-    assert not unknown, f"kernels missing from coreai_opt/onnx/ort_kernels.py: {unknown}"
+    assert not unknown, f"kernels missing from coreai_opt/onnx/verify/ort_kernels.py: {unknown}"
     assert not diverging, f"kernels whose numerics eager does not reproduce: {diverging}"
 
 

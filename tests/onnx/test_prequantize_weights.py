@@ -13,8 +13,8 @@ from torch import nn
 from torch.onnx._internal.exporter._errors import ConversionError
 
 import coreai_opt as co
-import coreai_opt.onnx.export as onnx_export
-import coreai_opt.onnx.prequantize_weights as prequantize
+import coreai_opt.onnx.export.export_onnx as onnx_export
+import coreai_opt.onnx.export.prequantize_weights as prequantize
 from coreai_opt.onnx.rewrite.constant_folder import evaluate_node
 
 

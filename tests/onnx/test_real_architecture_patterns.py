@@ -18,9 +18,9 @@ from torch.nn import functional as F
 
 import coreai_opt as co
 from coreai_opt.config import OpConfig
-from coreai_opt.onnx.verify import VerificationReport
+from coreai_opt.graph.op_kinds import OpKind
+from coreai_opt.onnx.verify.verify_onnx import VerificationReport
 from coreai_opt.passes.annotate import PATTERNS, _Pattern
-from coreai_opt.passes.op_kinds import OpKind
 from tests.passes.test_decompose_attention import B, E, H, L, _Attention, _padding_mask
 from tests.passes.test_fold_batchnorm import _ConvBNAct
 from tests.zoo import randomize_batchnorm

@@ -8,8 +8,8 @@ import numpy as np
 import onnx
 import pytest
 
-from coreai_opt.onnx import save
-from coreai_opt.onnx.save import check_output_path, external_data_path, save_model_atomically
+from coreai_opt.onnx.export import save
+from coreai_opt.onnx.export.save import check_output_path, external_data_path, save_model_atomically
 from tests.onnx.onnx_graphs import conv_qdq_model, run
 
 X = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)

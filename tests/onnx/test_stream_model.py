@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx
-from coreai_opt.onnx import stream_model as sm
+from coreai_opt.onnx.export import stream_model as sm
 from tests.zoo import build, preset_config
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.output_steps import OutputStep, element_steps
-from coreai_opt.onnx.tolerance import FLOAT_PRECISION, UNDERIVED_RELATIVE, derive_tolerances
+from coreai_opt.onnx.verify.output_steps import OutputStep, element_steps
+from coreai_opt.onnx.verify.tolerance import FLOAT_PRECISION, UNDERIVED_RELATIVE, derive_tolerances
 
 
 def _model(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto]) -> onnx.ModelProto:
@@ -65,7 +65,7 @@ def test_float8_steps_follow_the_grid_spacing_at_the_value() -> None:
 def test_divergence_reasons_are_classified_from_the_kernel_table() -> None:
     from collections import Counter
 
-    from coreai_opt.onnx.localize import _classify
+    from coreai_opt.onnx.verify.localize import _classify
 
     nodes = [helper.make_node("QLinearConv", ["x"], ["a"], domain="com.microsoft"),
              helper.make_node("QuickGelu", ["a"], ["b"], domain="com.microsoft"),

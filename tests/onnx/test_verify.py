@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from coreai_opt.onnx import VerificationReport, export_onnx, verify_onnx
-from coreai_opt.onnx.tolerance import FLOAT_PRECISION
+from coreai_opt.onnx.verify.tolerance import FLOAT_PRECISION
 from tests.onnx.qmodels import ActivationAndWeight, QuantMLP, freeze
 
 
@@ -110,7 +110,7 @@ def test_verify_onnx_rejects_bad_inputs(mlp: tuple[nn.Module, Path], tmp_path: P
 
 
 def test_compare_counts_a_flip_inside_the_tolerance_as_a_near_tie_and_fails_a_decisive_flip():
-    from coreai_opt.onnx.verify import _compare
+    from coreai_opt.onnx.verify.verify_onnx import _compare
 
     ref = np.array([[1.0, 0.999, -1.0], [2.0, 0.0, -1.0]], dtype=np.float32)
     near_tie = np.array([[0.998, 0.9995, -1.0], [2.0, 0.0, -1.0]], dtype=np.float32)  # row 0 margin 0.001

@@ -16,7 +16,7 @@ import coreai_opt
 from coreai_opt import reference_models as rm
 from coreai_opt.config import OpConfig, QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.onnx.fusion_report import FLOAT_COMPUTE_OPS
+from coreai_opt.onnx.verify.fusion_report import FLOAT_COMPUTE_OPS
 from coreai_opt.quantization.spec import PerChannel, QuantizationSpec
 from tests.zoo import ZOO, build, randomize_batchnorm
 

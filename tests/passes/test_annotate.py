@@ -4,10 +4,10 @@ from torch import nn
 
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
-from coreai_opt.passes.node_meta import DerivedSpec, QuantSpec, Role, SharedSpec, get_meta
-from coreai_opt.passes.op_kinds import OpKind
+from coreai_opt.graph.node_meta import DerivedSpec, QuantSpec, Role, SharedSpec, get_meta
+from coreai_opt.graph.op_kinds import OpKind
+from coreai_opt.quantization.fake_quantize.dynamic_fake_quantize import dynamic_activation_spec
 from coreai_opt.quantization.spec import DynamicFakeQuantize, PerBlock, PerChannel, QuantizationSpec
-from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
 from tests.passes.pipeline import annotated, inserted
 from tests.zoo import build
 

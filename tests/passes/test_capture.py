@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from coreai_opt.graph.graph_meta import get_graph_meta
+from coreai_opt.graph.node_meta import get_meta
 from coreai_opt.passes.capture import CaptureError, capture
-from coreai_opt.passes.graph_meta import get_graph_meta
-from coreai_opt.passes.node_meta import get_meta
 from tests.zoo import ZOO, build
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from coreai_opt.passes.dead_code import remove_dead_nodes
-from coreai_opt.passes.op_effects import is_pure, may_alias_input
+from coreai_opt.graph.dead_code import remove_dead_nodes
+from coreai_opt.graph.op_effects import is_pure, may_alias_input
 
 
 class _UnusedResults(nn.Module):

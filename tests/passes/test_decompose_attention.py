@@ -3,12 +3,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from coreai_opt.passes.attention_math import masked_softmax
+from coreai_opt.graph.attention_math import masked_softmax
+from coreai_opt.graph.node_meta import get_meta, tensor_info
+from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.passes.capture import capture
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.decompose_attention import SDPA_TARGETS, decompose_attention
-from coreai_opt.passes.node_meta import get_meta, tensor_info
-from coreai_opt.passes.op_kinds import OpKind
 
 B, H, L, S, E = 2, 4, 6, 6, 8
 

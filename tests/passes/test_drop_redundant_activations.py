@@ -4,12 +4,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from coreai_opt.api import calibrate, convert, prepare
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
+from coreai_opt.graph.node_meta import get_meta
+from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
-from coreai_opt.passes.node_meta import get_meta
-from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec import QuantizationSpec
 
 

@@ -13,8 +13,8 @@ from torch import fx, nn
 
 import coreai_opt
 from coreai_opt.config import OpConfig, QuantizerConfig
+from coreai_opt.graph.node_meta import Role, get_meta
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.passes.node_meta import Role, get_meta
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 
 W8A8 = QuantizerConfig.presets.w8a8

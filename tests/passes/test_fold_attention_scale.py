@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from coreai_opt.graph.node_meta import get_meta
+from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.passes.capture import capture
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
-from coreai_opt.passes.node_meta import get_meta
-from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.reference_models import transformer_encoder
 
 METHODS = ["fx", "export"]

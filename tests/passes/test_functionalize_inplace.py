@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from coreai_opt.graph.capture_error import InplaceAliasError
+from coreai_opt.graph.inplace_ops import inplace_write
 from coreai_opt.passes.capture import CaptureError, capture
-from coreai_opt.passes.capture_error import InplaceAliasError
-from coreai_opt.passes.inplace_ops import inplace_write
 
 CAPTURES = ("fx", "export")
 

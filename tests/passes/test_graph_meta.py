@@ -13,7 +13,7 @@ from torch import fx, nn
 
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
-from coreai_opt.passes.graph_meta import GraphMeta, InputSpec, get_graph_meta, require_graph_meta, set_graph_meta
+from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, get_graph_meta, require_graph_meta, set_graph_meta
 
 
 def _prepared() -> tuple[fx.GraphModule, torch.Tensor]:

@@ -5,9 +5,9 @@ import torch
 from torch import fx, nn
 
 from coreai_opt.config import QuantizerConfig
+from coreai_opt.graph.node_meta import Role, get_meta
+from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.passes.insert_quantizers import insert_quantizers
-from coreai_opt.passes.node_meta import Role, get_meta
-from coreai_opt.passes.op_kinds import OpKind
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, PerChannel, QuantizationSpec
 from tests.passes.pipeline import annotated, inserted
 from tests.zoo import ZOO, build

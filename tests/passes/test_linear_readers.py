@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from coreai_opt.api.activation_stats import ChannelAbsMax, input_absmax
+from coreai_opt.api.algorithms.activation_stats import ChannelAbsMax, input_absmax
 from coreai_opt.config import QuantizerConfig
-from coreai_opt.passes.linear_readers import linear_bias, linear_readers, linear_weight
+from coreai_opt.graph.linear_readers import linear_bias, linear_readers, linear_weight
 from tests.passes.pipeline import inserted
 
 

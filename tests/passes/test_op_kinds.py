@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from coreai_opt.graph.node_meta import get_meta
+from coreai_opt.graph.op_kinds import OpKind, lookup_op
 from coreai_opt.passes.capture import capture
 from coreai_opt.passes.classify_ops import classify_ops
-from coreai_opt.passes.node_meta import get_meta
-from coreai_opt.passes.op_kinds import OpKind, lookup_op
 
 
 class _ThreeConvs(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from coreai_opt.passes.capture import capture
-from coreai_opt.passes.smooth_quant import apply_smoothing, find_sites
+from coreai_opt.passes.smooth_linear_inputs import apply_smoothing, find_sites
 from coreai_opt.reference_models import transformer_encoder
 
 

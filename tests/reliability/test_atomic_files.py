@@ -18,9 +18,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import coreai_opt as co
-import coreai_opt.onnx.save as onnx_save
+import coreai_opt.onnx.export.save as onnx_save
 from coreai_opt.errors import CoreaiOptValueError
-from coreai_opt.onnx.save import save_model_atomically, write_bytes_atomically, write_text_atomically
+from coreai_opt.onnx.export.save import save_model_atomically, write_bytes_atomically, write_text_atomically
 
 from .conftest import Pipeline, ort_run
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import coreai_opt as co
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.quantization.spec import FakeQuantize, QuantizationSpec
 from coreai_opt.quantization.spec.qparams_math import SCALE_EPS
 
@@ -153,7 +154,7 @@ def test_calibrate_warns_naming_the_input_quantizer_and_ignores_nan(prepared: to
 def test_calibrate_accepts_any_batch_size(prepared: torch.fx.GraphModule, batch_shape: tuple[int, ...]) -> None:
     co.calibrate(prepared, [torch.randn(batch_shape)], progress=False)
     converted = co.convert(prepared)
-    for _, fq in co.api._state.fake_quantizers(converted):
+    for _, fq in fake_quantizers(converted):
         scale = getattr(fq.calculator, "scale", None)
         if scale is not None:
             assert bool(torch.isfinite(scale).all()) and float(scale.min()) > 0, fq.name
@@ -163,7 +164,7 @@ def test_calibrate_with_all_zero_and_constant_batches_gives_finite_qparams(prepa
                                                                           cnn_pipeline: Pipeline) -> None:
     co.calibrate(prepared, [torch.zeros(2, 3, 8, 8), torch.full((2, 3, 8, 8), 0.25)], progress=False)
     converted = co.convert(prepared)
-    scales = {fq.name: fq.calculator.scale for _, fq in co.api._state.fake_quantizers(converted)
+    scales = {fq.name: fq.calculator.scale for _, fq in fake_quantizers(converted)
               if hasattr(fq.calculator, "scale")}
     assert all(bool(torch.isfinite(s).all()) and float(s.min()) > 0 for s in scales.values()), scales
     assert math.isclose(float(scales["x.input"]), 0.25 / 255.0, rel_tol=1e-6)
@@ -199,12 +200,12 @@ def test_calibrate_rejects_unusable_data_naming_the_input_and_fix(prepared: torc
     if label == "bad sync":
         data, kwargs = [torch.randn(2, 3, 8, 8)], {"sync": "bogus"}
     flags_before = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled))
-                    for _, fq in co.api._state.fake_quantizers(prepared)]
+                    for _, fq in fake_quantizers(prepared)]
     with pytest.raises(error, match=names) as info:
         co.calibrate(prepared, data, progress=False, **kwargs)
     assert re.search(fix, str(info.value)), str(info.value)
     flags_after = [(bool(fq.observer_enabled), bool(fq.fake_quant_enabled))
-                   for _, fq in co.api._state.fake_quantizers(prepared)]
+                   for _, fq in fake_quantizers(prepared)]
     assert flags_after == flags_before, "a failed calibration must restore the quantizer flags"
 
 

@@ -1,7 +1,8 @@
 """Bad export input: models that are not converted, dtypes onnxruntime cannot run, bad opsets and names, output
 paths that cannot be written, and models whose tensors exceed the single-file limit (external data).
 
-The 2 GB limit is simulated by lowering ``coreai_opt.onnx.save.SINGLE_FILE_LIMIT_BYTES``: the code path is the one a
+The 2 GB limit is simulated by lowering ``coreai_opt.onnx.export.save.SINGLE_FILE_LIMIT_BYTES``: the code path is the
+one a
 real >2 GB model takes, without allocating 2 GB.
 """
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-import coreai_opt.onnx.save as onnx_save
+import coreai_opt.onnx.export.save as onnx_save
 from coreai_opt.quantization.spec import FakeQuantize, QuantizationSpec
 
 from .conftest import Pipeline, ort_run

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.passes import CaptureError
 
 W8A8 = co.QuantizerConfig.presets.w8a8

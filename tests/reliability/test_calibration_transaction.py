@@ -19,9 +19,9 @@ import torch
 from torch import fx
 
 import coreai_opt as co
-from coreai_opt.api._state import fake_quantizers, stale_weight_quantizers
 from coreai_opt.api.distributed import CalibrationSync, DistributedSyncError
-from coreai_opt.api.quantizer_snapshot import QuantizerSnapshot
+from coreai_opt.api.internals.quantizer_snapshot import QuantizerSnapshot
+from coreai_opt.api.internals.quantizer_state import fake_quantizers, stale_weight_quantizers
 from coreai_opt.errors import CalibrationInProgressError, UnexpectedRuntimeError
 from coreai_opt.quantization.spec import FakeQuantize
 from tests.zoo import ZOO

@@ -1,7 +1,7 @@
 """No public function lets a torch / onnx / Python exception escape without a coreai_opt message in front of it.
 
 The public functions are enumerated from the ``__all__`` of ``coreai_opt``, ``coreai_opt.api``, ``coreai_opt.onnx``,
-``coreai_opt.config`` (and its ``presets``) and ``coreai_opt.onnx.save``'s writers: every function, and every
+``coreai_opt.config`` (and its ``presets``) and ``coreai_opt.onnx.export.save``'s writers: every function, and every
 public method of every exported class, must carry the ``public_api`` marker. Behaviour tests then force foreign
 exceptions out of several of them.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 
 import coreai_opt as co
-import coreai_opt.onnx.export as onnx_export
+import coreai_opt.onnx.export.export_onnx as onnx_export
 from coreai_opt.error_boundary import PUBLIC_API_ATTRIBUTE, error_stage, is_own_error, public_api
 from coreai_opt.errors import CoreaiOptError, UnexpectedError, UnexpectedIndexError, UnexpectedKeyError
 
@@ -30,9 +30,15 @@ from .conftest import Pipeline, cnn_batches
 
 PUBLIC_MODULES = ("coreai_opt", "coreai_opt.api", "coreai_opt.onnx", "coreai_opt.config", "coreai_opt.config.presets",
                   # the modules coreai_opt re-exports functions from: their results' classes are public too
-                  "coreai_opt.api.smooth_quant", "coreai_opt.api.sensitivity", "coreai_opt.api.calibration_search",
-                  "coreai_opt.api.auto_quantize")
-EXTRA_PUBLIC = ("coreai_opt.onnx.save.write_bytes_atomically", "coreai_opt.onnx.save.write_text_atomically")
+                  "coreai_opt.api.algorithms.smooth_quant", "coreai_opt.api.algorithms.sensitivity",
+                  "coreai_opt.api.algorithms.calibration_search",
+                  "coreai_opt.api.algorithms.auto_quantize")
+#: Value types of the override vocabulary (``co.PerTensor`` / ``co.PerChannel`` / ``co.PerBlock``): users construct
+#: them (their validation is behind ``QuantizationSpec``'s boundary); their methods are the tensor mechanics the
+#: library calls on every fake-quantize forward, not entry points.
+VALUE_TYPES = ("PerTensor", "PerChannel", "PerBlock")
+EXTRA_PUBLIC = ("coreai_opt.onnx.export.save.write_bytes_atomically",
+                "coreai_opt.onnx.export.save.write_text_atomically")
 
 
 def _class_methods(cls: type, seen: set[int]) -> Iterator[tuple[str, Any]]:
@@ -59,7 +65,7 @@ def public_callables() -> list[tuple[str, Any]]:
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-            if inspect.isclass(obj):
+            if inspect.isclass(obj) and name not in VALUE_TYPES:
                 found += list(_class_methods(obj, seen))
             elif inspect.isfunction(obj):
                 found.append((f"{module_name}.{name}", obj))

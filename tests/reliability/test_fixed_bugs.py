@@ -17,7 +17,7 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.api import load_state_dict
-from coreai_opt.api._state import bias_quantizers, fake_quantizers
+from coreai_opt.api.internals.quantizer_state import bias_quantizers, fake_quantizers
 from coreai_opt.config import OpConfig
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, QuantizationSpec
 

@@ -236,7 +236,7 @@ def _spec(dtype: str, qscheme: str, granularity: dict, qparams_calculator: str =
         ("matmul", False, _spec("uint8", "asymmetric", {"type": "per_tensor"}),
          _spec("float8_e4m3fn", "symmetric", {"type": "per_tensor"}, "global_minmax")),
         # 4-bit activations: onnxruntime refused these files (QLinearConv / ClipQuantFusion on int4) before
-        # coreai_opt.onnx.rewrite.guard_4bit_activations
+        # coreai_opt.onnx.rewrite.rules.guard_4bit_activations
         ("conv", True, _spec("int8", "symmetric", {"type": "per_channel", "axis": 0}),
          _spec("uint4", "asymmetric", {"type": "per_tensor"}, "global_minmax")),
         ("matmul", False, _spec("int8", "symmetric", {"type": "per_tensor"}),

@@ -15,8 +15,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import coreai_opt as co
-import coreai_opt.onnx.export as onnx_export
-import coreai_opt.onnx.save as onnx_save
+import coreai_opt.onnx.export.export_onnx as onnx_export
+import coreai_opt.onnx.export.save as onnx_save
 
 from .conftest import Pipeline, ort_run
 

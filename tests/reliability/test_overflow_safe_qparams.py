@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import coreai_opt as co
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.errors import QParamsRangeError
 from coreai_opt.quantization.spec import (
     SCALE_EPS,

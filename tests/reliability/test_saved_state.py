@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.api._state import fake_quantizers
+from coreai_opt.api.internals.quantizer_state import fake_quantizers
 from coreai_opt.config import OpConfig
 
 from .conftest import Pipeline, make_small_cnn

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import coreai_opt as co
+from coreai_opt.graph.capture_error import ShapeGuardError
 from coreai_opt.passes import CaptureError
-from coreai_opt.passes.capture_error import ShapeGuardError
 
 W8A8 = co.QuantizerConfig.presets.w8a8
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from coreai_opt.quantization.spec import QuantizationSpec, get_dtype_info
-from coreai_opt.quantization.spec.dynamic_fake_quantize import DynamicFakeQuantize, dynamic_activation_spec
-from coreai_opt.quantization.spec.dynamic_quantize_op import (
+from coreai_opt.quantization.fake_quantize.dynamic_fake_quantize import DynamicFakeQuantize, dynamic_activation_spec
+from coreai_opt.quantization.fake_quantize.fake_quantize import FAKE_QUANTIZE
+from coreai_opt.quantization.ops.dynamic_quantize_op import (
     dynamic_qparams,
     dynamic_quantize_dequantize,
     dynamic_quantize_dequantize_translation_table,
 )
-from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE
+from coreai_opt.quantization.spec import QuantizationSpec, get_dtype_info
 
 
 @pytest.fixture(scope="module")

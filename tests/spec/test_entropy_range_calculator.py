@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from coreai_opt.quantization.spec.entropy_range_calculator import (
+from coreai_opt.quantization.ranges.entropy_range_calculator import (
     Q_FLOOR,
     EntropyRangeCalculator,
     kl_divergence_per_threshold,

@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coreai_opt.quantization.spec.entropy_range_calculator import EntropyRangeCalculator
+from coreai_opt.quantization.ranges.entropy_range_calculator import EntropyRangeCalculator
+from coreai_opt.quantization.ranges.histogram import K_FLOOR, MAX_HISTOGRAM_ENTRIES, RowHistogram, check_num_bins
+from coreai_opt.quantization.ranges.histogram_range_calculator import HistogramRangeCalculatorBase
+from coreai_opt.quantization.ranges.mse_range_calculator import MSERangeCalculator
+from coreai_opt.quantization.ranges.percentile_range_calculator import PercentileRangeCalculator
+from coreai_opt.quantization.ranges.range_calculator import RANGE_CALCULATORS
 from coreai_opt.quantization.spec.granularity import PerBlock, PerChannel
-from coreai_opt.quantization.spec.histogram import K_FLOOR, MAX_HISTOGRAM_ENTRIES, RowHistogram, check_num_bins
-from coreai_opt.quantization.spec.histogram_range_calculator import HistogramRangeCalculatorBase
-from coreai_opt.quantization.spec.mse_range_calculator import MSERangeCalculator
-from coreai_opt.quantization.spec.percentile_range_calculator import PercentileRangeCalculator
-from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
 
 
 def _assert_same_histogram(a: RowHistogram, b: RowHistogram) -> None:

@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from coreai_opt.quantization.spec.int8_compute import accumulation_bound, int8_compute_activation
+from coreai_opt.quantization.matmul_nbits.int8_compute import accumulation_bound, int8_compute_activation
 from tests.matmul_nbits_graphs import matmul_nbits_case
 
 CASES = [(bits, block, k) for bits in (4, 8) for block in (32, 128) for k in (32, 96, 200, 256, 512)]

@@ -13,11 +13,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from coreai_opt.quantization.matmul_nbits.int8_compute import accumulation_bound, int8_compute_activation
+from coreai_opt.quantization.matmul_nbits.int8_compute_op import Int8ComputeActivation
+from coreai_opt.quantization.matmul_nbits.packing import pack_matmul_nbits, unpack_matmul_nbits
 from coreai_opt.quantization.spec import PerBlock, PerChannel, QuantizationSpec
-from coreai_opt.quantization.spec.int8_compute import accumulation_bound, int8_compute_activation
-from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation
 from coreai_opt.quantization.spec.matmul_compute import block_size_problem, matmul_nbits_block_size
-from coreai_opt.quantization.spec.matmul_nbits_packing import pack_matmul_nbits, unpack_matmul_nbits
 
 _RANGES = {"int4": (-8, 7, 4, True), "uint4": (0, 15, 4, False), "int8": (-128, 127, 8, True),
            "uint8": (0, 255, 8, False)}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coreai_opt.quantization.ranges.mse_range_calculator import MSERangeCalculator, fake_quantize_values
 from coreai_opt.quantization.spec.dtypes import get_dtype_info
 from coreai_opt.quantization.spec.granularity import PerChannel, QuantizationScheme
-from coreai_opt.quantization.spec.mse_range_calculator import MSERangeCalculator, fake_quantize_values
 from coreai_opt.quantization.spec.qparams_math import compute_qparams
 from coreai_opt.quantization.spec.spec import QuantizationSpec
 

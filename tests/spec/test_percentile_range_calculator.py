@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from coreai_opt.quantization.ranges.percentile_range_calculator import PercentileRangeCalculator
 from coreai_opt.quantization.spec.granularity import PerBlock, PerChannel
-from coreai_opt.quantization.spec.percentile_range_calculator import PercentileRangeCalculator
 from coreai_opt.quantization.spec.spec import QuantizationSpec
 
 

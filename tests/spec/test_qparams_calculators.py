@@ -371,7 +371,7 @@ def test_moving_average_rank_weights_follow_the_batch_counter() -> None:
 def test_global_and_static_minmax_sync_with_an_empty_rank_and_a_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     from datetime import timedelta
 
-    from coreai_opt.quantization.spec.collectives import collective_timeout
+    from coreai_opt.quantization.collectives import collective_timeout
 
     ranks = _ThreadRanks(3).install(monkeypatch)
     data = {0: X, 1: X * -2.0}

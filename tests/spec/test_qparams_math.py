@@ -128,7 +128,8 @@ def test_quant_range_table() -> None:
 def test_docstring_examples_of_the_spec_layer_run() -> None:
     import doctest
 
-    from coreai_opt.quantization.spec import bias_fake_quantize, dtypes, qparams_math, spec
+    from coreai_opt.quantization.fake_quantize import bias_fake_quantize
+    from coreai_opt.quantization.spec import dtypes, qparams_math, spec
 
     for module in (qparams_math, spec, bias_fake_quantize, dtypes):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

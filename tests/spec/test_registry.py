@@ -121,8 +121,8 @@ def test_spec_rejects_unknown_registry_key_naming_the_field_and_known_keys() -> 
 
 
 def test_registry_classmethods_come_from_one_mixin_bound_to_each_family() -> None:
+    from coreai_opt.quantization.rounding import WEIGHT_ROUNDING, WeightRoundingBase
     from coreai_opt.quantization.spec.registry import RegistryFamily
-    from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING, WeightRoundingBase
 
     names = ("register", "get_class", "resolve", "list_registry_keys", "list_registry_values")
     for base, registry in ((RangeCalculatorBase, RANGE_CALCULATORS), (QParamsCalculatorBase, QPARAMS_CALCULATORS),

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from coreai_opt.quantization.rounding import GPTQClipSearchRounding, GPTQRounding, HQQRounding, MSERounding
+from coreai_opt.quantization.rounding.input_statistics import InputStatistics
+from coreai_opt.quantization.rounding.weight_rounding import WEIGHT_ROUNDING, RoundedWeight, RTNRounding
 from coreai_opt.quantization.spec import FakeQuantize, PerBlock, PerChannel, PerTensor, QuantizationSpec
-from coreai_opt.quantization.spec.input_statistics import InputStatistics
-from coreai_opt.quantization.spec.weight_rounding import WEIGHT_ROUNDING, RoundedWeight, RTNRounding
-from coreai_opt.quantization.spec.weight_roundings import GPTQClipSearchRounding, GPTQRounding, HQQRounding, MSERounding
 
 
 def _spec(rounding: str | None, qscheme: str = "symmetric", granularity: object = None) -> QuantizationSpec:
@@ -206,7 +206,7 @@ def test_input_statistics_hessian_is_two_xtx_over_n_and_skips_non_finite_rows() 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_mse_search_in_row_chunks_gives_the_whole_tensor_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
                                                                            qscheme: str, weighted: bool) -> None:
-    from coreai_opt.quantization.spec import rounding_mse
+    from coreai_opt.quantization.rounding import mse_clip_search as rounding_mse
 
     torch.manual_seed(3)
     rows = torch.randn(203, 32) * torch.rand(203, 1) * 3

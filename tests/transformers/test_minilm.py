@@ -9,7 +9,7 @@ import torch
 from benchmarks import minilm_harness as H
 from benchmarks import minilm_ours, minilm_peers
 from benchmarks.minilm import w8a8_dynamic_config
-from coreai_opt.api.smooth_quant import smooth_quant
+from coreai_opt.api.algorithms.smooth_quant import smooth_quant
 
 pytestmark = pytest.mark.slow
 

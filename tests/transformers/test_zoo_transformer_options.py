@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from benchmarks import minilm_ours
-from coreai_opt.api.calibration_search import search_calibration
-from coreai_opt.api.sensitivity import keep_sensitive, sensitivity
-from coreai_opt.api.smooth_quant import smooth_quant
+from coreai_opt.api.algorithms.calibration_search import search_calibration
+from coreai_opt.api.algorithms.sensitivity import keep_sensitive, sensitivity
+from coreai_opt.api.algorithms.smooth_quant import smooth_quant
 from coreai_opt.config import QuantizerConfig
-from coreai_opt.quantization.spec.dynamic_fake_quantize import dynamic_activation_spec
+from coreai_opt.quantization.fake_quantize.dynamic_fake_quantize import dynamic_activation_spec
 from coreai_opt.reference_models import transformer_encoder
 
 SEQ = 16

@@ -1,7 +1,7 @@
 """Process-group queries that also work without one, checked collectives and a barrier that cannot hang.
 
 The primitives themselves (rank, world size, communication device, a collective with a timeout) are the spec
-layer's (:mod:`coreai_opt.quantization.spec.collectives`); this module adds :class:`DistributedSyncError`.
+layer's (:mod:`coreai_opt.quantization.collectives`); this module adds :class:`DistributedSyncError`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from coreai_opt.errors import CoreaiOptRuntimeError
-from coreai_opt.quantization.spec.collectives import (
+from coreai_opt.quantization.collectives import (
     as_timedelta,
     get_rank,
     get_world_size,

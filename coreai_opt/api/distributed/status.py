@@ -21,7 +21,7 @@ from coreai_opt.api.distributed.process_group import (
     is_distributed,
     run_checked,
 )
-from coreai_opt.quantization.spec.collectives import comm_device, torch_distributed
+from coreai_opt.quantization.collectives import comm_device, torch_distributed
 
 __all__ = ["exchange_status", "report_failure"]
 

@@ -2,8 +2,8 @@
 
 The merge rules themselves belong to the spec layer: every stateful qparams calculator merges with
 ``sync_statistics(group, *, only_order_dependent=False)`` and every range calculator with
-``all_reduce(group)`` (see :mod:`coreai_opt.quantization.spec.qparams_calculators`,
-:mod:`~coreai_opt.quantization.spec.range_calculator`, :mod:`~coreai_opt.quantization.spec.histogram`).
+``all_reduce(group)`` (see :mod:`coreai_opt.quantization.spec.builtin_qparams_calculators`,
+:mod:`~coreai_opt.quantization.ranges.range_calculator`, :mod:`~coreai_opt.quantization.ranges.histogram`).
 This module only runs them on every rank in the same (sorted module-name) order, after the status
 collective, with the per-collective timeout, and turns their errors into :class:`DistributedSyncError`.
 """
@@ -23,9 +23,9 @@ from coreai_opt.api.distributed.process_group import (
     run_checked,
 )
 from coreai_opt.api.distributed.status import exchange_status
-from coreai_opt.quantization.spec.collectives import collective_timeout, comm_device, torch_distributed
+from coreai_opt.quantization.collectives import collective_timeout, comm_device, torch_distributed
+from coreai_opt.quantization.ranges.range_calculator import RangeCalculatorBase
 from coreai_opt.quantization.spec.qparams_calculator import QParamsCalculatorBase, StatefulQParamsCalculatorBase
-from coreai_opt.quantization.spec.range_calculator import RangeCalculatorBase
 
 __all__ = [
     "order_dependent_items", "quantizer_fingerprint", "stateful_calculators", "sync_items", "sync_statistics",

@@ -19,7 +19,7 @@ from coreai_opt.api.distributed.process_group import (
     run_checked,
 )
 from coreai_opt.api.distributed.status import exchange_status
-from coreai_opt.quantization.spec.collectives import comm_device, torch_distributed
+from coreai_opt.quantization.collectives import comm_device, torch_distributed
 
 __all__ = ["check_synchronized", "run_on_main", "save_on_main"]
 

@@ -3,7 +3,7 @@
 Each post-pass is a :class:`~coreai_opt.onnx.rewrite.rule.Rule` (``match(node, graph) -> Match | Fail | None``,
 ``rewrite(match, graph)``) in a module of its own; :data:`POST_PASSES` is the order ``export_onnx`` applies them
 in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.OnnxGraph` and returns the
-:class:`~coreai_opt.onnx.rewrite.report.RewriteReport` (``{rule: count}`` plus the near misses).
+:class:`~coreai_opt.onnx.rewrite.rewrite_report.RewriteReport` (``{rule: count}`` plus the near misses).
 
 1. ``fold_quantized_weights``: constant weight / bias chains -> quantized initializer -> ``DequantizeLinear``.
 2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> ``MatMulInteger`` (``DynamicQuantizeMatMul``).
@@ -41,25 +41,25 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from coreai_opt.onnx.rewrite.clip_16bit_activations import ClipSixteenBitActivations
-from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
-from coreai_opt.onnx.rewrite.drop_zero_biases import DropZeroBiases
-from coreai_opt.onnx.rewrite.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
-from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
-from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
-from coreai_opt.onnx.rewrite.fold_weight_transposes import FoldWeightTransposes
-from coreai_opt.onnx.rewrite.gather_block_quantized_rows import CONTRIB_DOMAIN, GatherBlockQuantizedRows
-from coreai_opt.onnx.rewrite.gather_quantized_rows import GatherQuantizedRows
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
-from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivations
-from coreai_opt.onnx.rewrite.guard_float8_activations import GuardFloat8Activations
-from coreai_opt.onnx.rewrite.guard_quantized_sums import GuardQuantizedSums
-from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
-from coreai_opt.onnx.rewrite.means_to_global_average_pool import MeansToGlobalAveragePool
-from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
-from coreai_opt.onnx.rewrite.report import RewriteReport, read_report, record_report
+from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, read_report, record_report
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, run_rules
-from coreai_opt.onnx.rewrite.write_matmul_nbits import WriteMatMulNBits
+from coreai_opt.onnx.rewrite.rules.clip_16bit_activations import ClipSixteenBitActivations
+from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
+from coreai_opt.onnx.rewrite.rules.drop_zero_biases import DropZeroBiases
+from coreai_opt.onnx.rewrite.rules.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
+from coreai_opt.onnx.rewrite.rules.fold_constant_activations import FoldConstantActivations
+from coreai_opt.onnx.rewrite.rules.fold_quantized_weights import FoldQuantizedWeights
+from coreai_opt.onnx.rewrite.rules.fold_weight_transposes import FoldWeightTransposes
+from coreai_opt.onnx.rewrite.rules.gather_block_quantized_rows import CONTRIB_DOMAIN, GatherBlockQuantizedRows
+from coreai_opt.onnx.rewrite.rules.gather_quantized_rows import GatherQuantizedRows
+from coreai_opt.onnx.rewrite.rules.guard_4bit_activations import GuardFourBitActivations
+from coreai_opt.onnx.rewrite.rules.guard_float8_activations import GuardFloat8Activations
+from coreai_opt.onnx.rewrite.rules.guard_quantized_sums import GuardQuantizedSums
+from coreai_opt.onnx.rewrite.rules.linears_to_gemm import LinearsToGemm
+from coreai_opt.onnx.rewrite.rules.means_to_global_average_pool import MeansToGlobalAveragePool
+from coreai_opt.onnx.rewrite.rules.means_to_sum_and_divide import MeansToSumAndDivide
+from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import WriteMatMulNBits
 
 __all__ = ["POST_PASSES", "apply", "Rule", "Match", "Fail", "OnnxGraph", "RewriteReport", "read_report",
            "record_report"]

@@ -16,7 +16,7 @@ The arithmetic is onnxruntime's, so a folded value equals what the unfolded grap
 Anything else, or a non-float32 ``QuantizeLinear`` input, is not evaluated; :attr:`ConstantFolder.refusal` then
 says why when the refusing op had constant inputs. Values the graph lists in ``OnnxGraph.precomputed`` (large
 weights ``export_onnx`` quantized chunk by chunk with :func:`evaluate_node`, see
-:mod:`coreai_opt.onnx.prequantize_weights`) are taken as computed instead of evaluated again.
+:mod:`coreai_opt.onnx.export.prequantize_weights`) are taken as computed instead of evaluated again.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ class OnnxGraph:
     Args:
         model: The model whose main graph is rewritten in place (functions and subgraphs are not rewritten).
         precomputed: Values of some of its computed constants, already evaluated outside the graph (the
-            quantized large weights of :mod:`coreai_opt.onnx.prequantize_weights`, keyed by the name of the
+            quantized large weights of :mod:`coreai_opt.onnx.export.prequantize_weights`, keyed by the name of the
             ``QuantizeLinear`` output); the constant folder takes them instead of evaluating their nodes. The
             mapping is used, not copied: a rule removes an entry it has stored in the graph, so the large arrays
             are freed as the rewrite goes.

@@ -1,4 +1,6 @@
-"""The parts of a quantized linear that :mod:`~coreai_opt.onnx.rewrite.linears_to_gemm` rewrites, and its reshapes.
+"""The parts of a quantized linear that the ``linears_to_gemm`` rule rewrites, and its reshapes.
+
+The rule is :mod:`~coreai_opt.onnx.rewrite.rules.linears_to_gemm`.
 
 A site is ``DQ(x_q) · DQ(W) [+ b] [-> Q]``: the ``MatMul``, the ``Add`` of an ``[N]`` bias (an int32
 ``DequantizeLinear`` or a float constant) when the MatMul output is read by it alone, and the ``QuantizeLinear``

@@ -28,7 +28,7 @@ from typing import ClassVar
 import onnx
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
-from coreai_opt.onnx.rewrite.report import RewriteReport, Skip, module_path
+from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, Skip, module_path
 
 __all__ = ["Rule", "Match", "Fail", "run_rules"]
 

@@ -1,19 +1,20 @@
-"""Tensor-level quantization: dtypes, granularities, specs, calculators, the custom op and FakeQuantize.
+"""Specs and calculators: dtypes, granularities, ``QuantizationSpec``, the qparams calculators and the registry.
 
+This is the seed library's public path: ``StatefulQParamsCalculatorBase`` and the other classes of the original
+``coreai_opt.quantization.spec`` import from here. The parts built *from* a spec live in their own rooms beside
+it and are handed on here by name, on first use, so that importing a spec never imports them (the qparams
+calculators too, since each owns a range calculator):
+range calculators (:mod:`coreai_opt.quantization.ranges`), ``FakeQuantize`` modules
+(:mod:`coreai_opt.quantization.fake_quantize`) and the custom ops (:mod:`coreai_opt.quantization.ops`).
 This layer knows nothing about graphs. See ``docs/ARCHITECTURE.md`` for the contract.
 """
 
 from __future__ import annotations
 
-from coreai_opt.quantization.spec.bias_fake_quantize import BiasFakeQuantize
+from typing import TYPE_CHECKING
+
+from coreai_opt.lazy_exports import lazy_getattr
 from coreai_opt.quantization.spec.dtypes import SUPPORTED_DTYPES, QuantDtype, get_dtype_info
-from coreai_opt.quantization.spec.dynamic_fake_quantize import DynamicFakeQuantize, dynamic_activation_spec
-from coreai_opt.quantization.spec.dynamic_quantize_op import (
-    dynamic_quantize_dequantize,
-    dynamic_quantize_dequantize_translation_table,
-)
-from coreai_opt.quantization.spec.entropy_range_calculator import EntropyRangeCalculator
-from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE, FakeQuantize
 from coreai_opt.quantization.spec.granularity import (
     Granularity,
     PerBlock,
@@ -22,35 +23,72 @@ from coreai_opt.quantization.spec.granularity import (
     QuantizationScheme,
     granularity_from_dict,
 )
-from coreai_opt.quantization.spec.histogram import RowHistogram
-from coreai_opt.quantization.spec.histogram_range_calculator import HistogramRangeCalculatorBase
-from coreai_opt.quantization.spec.mse_range_calculator import MSERangeCalculator
-from coreai_opt.quantization.spec.percentile_range_calculator import PercentileRangeCalculator
-from coreai_opt.quantization.spec.qparams_calculator import (
-    QPARAMS_CALCULATORS,
-    QParamsCalculatorBase,
-    StatefulQParamsCalculatorBase,
-    StatelessQParamsCalculatorBase,
-)
-from coreai_opt.quantization.spec.qparams_calculators import (
-    DynamicQParamsCalculator,
-    GlobalMinMaxQParamsCalculator,
-    MovingAverageQParamsCalculator,
-    StaticQParamsCalculator,
-)
 from coreai_opt.quantization.spec.qparams_math import SCALE_EPS, QParams, compute_qparams, quant_range
-from coreai_opt.quantization.spec.quantize_dequantize_op import (
-    SUPPORTED_OPSETS,
-    quantize_dequantize,
-    quantize_dequantize_translation_table,
-)
-from coreai_opt.quantization.spec.range_calculator import (
-    RANGE_CALCULATORS,
-    MinMaxRangeCalculator,
-    RangeCalculatorBase,
-)
 from coreai_opt.quantization.spec.registry import Registry
 from coreai_opt.quantization.spec.spec import QuantizationSpec
+
+if TYPE_CHECKING:
+    from coreai_opt.quantization.fake_quantize import (
+        FAKE_QUANTIZE,
+        BiasFakeQuantize,
+        DynamicFakeQuantize,
+        FakeQuantize,
+        dynamic_activation_spec,
+    )
+    from coreai_opt.quantization.ops.dynamic_quantize_op import (
+        dynamic_quantize_dequantize,
+        dynamic_quantize_dequantize_translation_table,
+    )
+    from coreai_opt.quantization.ops.quantize_dequantize_op import (
+        SUPPORTED_OPSETS,
+        quantize_dequantize,
+        quantize_dequantize_translation_table,
+    )
+    from coreai_opt.quantization.ranges import (
+        RANGE_CALCULATORS,
+        EntropyRangeCalculator,
+        HistogramRangeCalculatorBase,
+        MinMaxRangeCalculator,
+        MSERangeCalculator,
+        PercentileRangeCalculator,
+        RangeCalculatorBase,
+        RowHistogram,
+    )
+    from coreai_opt.quantization.spec.builtin_qparams_calculators import (
+        DynamicQParamsCalculator,
+        GlobalMinMaxQParamsCalculator,
+        MovingAverageQParamsCalculator,
+        StaticQParamsCalculator,
+    )
+    from coreai_opt.quantization.spec.qparams_calculator import (
+        QPARAMS_CALCULATORS,
+        QParamsCalculatorBase,
+        StatefulQParamsCalculatorBase,
+        StatelessQParamsCalculatorBase,
+    )
+
+#: Names imported when first read (name -> defining module): the calculators, which own a range calculator, and
+#: the parts built from specs in the rooms beside ``spec``. The modules imported above are leaves that those
+#: parts import in turn, so importing any of them never runs this package's imports in a circle.
+_HANDED_ON: dict[str, str] = {
+    **dict.fromkeys(("QPARAMS_CALCULATORS", "QParamsCalculatorBase", "StatefulQParamsCalculatorBase",
+                     "StatelessQParamsCalculatorBase"), "coreai_opt.quantization.spec.qparams_calculator"),
+    **dict.fromkeys(("DynamicQParamsCalculator", "GlobalMinMaxQParamsCalculator", "MovingAverageQParamsCalculator",
+                     "StaticQParamsCalculator"), "coreai_opt.quantization.spec.builtin_qparams_calculators"),
+    **dict.fromkeys(("FAKE_QUANTIZE", "BiasFakeQuantize", "DynamicFakeQuantize", "FakeQuantize",
+                     "dynamic_activation_spec"), "coreai_opt.quantization.fake_quantize"),
+    **dict.fromkeys(("dynamic_quantize_dequantize", "dynamic_quantize_dequantize_translation_table"),
+                    "coreai_opt.quantization.ops.dynamic_quantize_op"),
+    **dict.fromkeys(("SUPPORTED_OPSETS", "quantize_dequantize", "quantize_dequantize_translation_table"),
+                    "coreai_opt.quantization.ops.quantize_dequantize_op"),
+    **dict.fromkeys(("RANGE_CALCULATORS", "EntropyRangeCalculator", "HistogramRangeCalculatorBase",
+                     "MinMaxRangeCalculator", "MSERangeCalculator", "PercentileRangeCalculator",
+                     "RangeCalculatorBase", "RowHistogram"), "coreai_opt.quantization.ranges"),
+}
+
+
+__getattr__ = lazy_getattr(__name__, globals(), _HANDED_ON)
+
 
 __all__ = [
     "BiasFakeQuantize",

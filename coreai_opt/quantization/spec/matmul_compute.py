@@ -9,7 +9,8 @@ spec's ``matmul_compute`` field names one entry of :data:`MATMUL_COMPUTE`:
 * ``"int8"``: ``accuracy_level=4``: onnxruntime quantizes the activation to int8 per row and per block of
   ``block_size`` along ``K`` (``amax / 127``) and accumulates integer products: faster, less accurate. The eager
   model applies the same activation quantization
-  (:func:`~coreai_opt.quantization.spec.int8_compute.int8_compute_activation`) in front of the linear, so eager and
+  (:func:`~coreai_opt.quantization.matmul_nbits.int8_compute.int8_compute_activation`) in front of the linear, so
+  eager and
   onnxruntime agree and the accuracy cost shows in eager too.
 
 ``MatMulNBits`` needs one block size per weight (:func:`matmul_nbits_block_size`, shared by the eager emulation and

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from coreai_opt.errors import QParamsRangeError
+from coreai_opt.quantization.ranges.range_calculator import RANGE_CALCULATORS
 from coreai_opt.quantization.spec.qparams_math import QParams, compute_qparams
-from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
 from coreai_opt.quantization.spec.registry import Registry, RegistryFamily
 
 if TYPE_CHECKING:
@@ -123,7 +123,9 @@ class QParamsCalculatorBase(RegistryFamily, nn.Module):
             f"granularity={self.granularity}"
 
 
-QPARAMS_CALCULATORS: Registry[type[QParamsCalculatorBase]] = Registry("qparams calculator", QParamsCalculatorBase)
+QPARAMS_CALCULATORS: Registry[type[QParamsCalculatorBase]] = Registry(
+    "qparams calculator", QParamsCalculatorBase, field="qparams_calculator"
+)
 
 
 class StatefulQParamsCalculatorBase(QParamsCalculatorBase):

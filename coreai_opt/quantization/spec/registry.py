@@ -11,19 +11,44 @@ register their own subclasses the same way the built-ins are registered::
 A family's base class inherits :class:`RegistryFamily`, which gives it (and every subclass) the registry
 classmethods ``register`` / ``get_class`` / ``resolve`` / ``list_registry_keys`` / ``list_registry_values``;
 building the family's ``Registry`` with that base attaches the registry to it.
+
+A spec names its parts by the field they fill (``range_calculator``, ``qparams_calculator``, ``fake_quantize``,
+``weight_rounding``); :func:`family` answers which registry a field's keys come from. It imports the family's
+built-in parts by module name on first use (:data:`BUILTIN_MODULES`), so the spec layer never imports the parts
+that are built from specs and no import runs in a circle.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 
-__all__ = ["Registry", "RegistryFamily"]
+__all__ = ["BUILTIN_MODULES", "Registry", "RegistryFamily", "family"]
 
 T = TypeVar("T", bound=type)
 
 _KEY_PATTERN = re.compile(r"^[a-z][a-z0-9_]*$")
+
+#: Spec field -> the module whose import registers that family's built-in parts.
+BUILTIN_MODULES: dict[str, str] = {
+    "range_calculator": "coreai_opt.quantization.ranges",
+    "qparams_calculator": "coreai_opt.quantization.spec.builtin_qparams_calculators",
+    "fake_quantize": "coreai_opt.quantization.fake_quantize",
+    "weight_rounding": "coreai_opt.quantization.rounding",
+}
+_FAMILIES: dict[str, Registry] = {}
+
+
+def family(field: str) -> Registry:
+    """The registry whose keys a spec field names, with the family's built-in parts registered.
+
+    Raises:
+        KeyError: ``field`` is not one of :data:`BUILTIN_MODULES`.
+    """
+    importlib.import_module(BUILTIN_MODULES[field])  # cached after the first call
+    return _FAMILIES[field]
 
 
 class Registry(Generic[T]):
@@ -34,12 +59,14 @@ class Registry(Generic[T]):
         base: Every registered class must subclass it.
     """
 
-    def __init__(self, family: str, base: type) -> None:
+    def __init__(self, family: str, base: type, field: str | None = None) -> None:
         self.family = family
         self.base = base
         self._entries: dict[str, T] = {}
         if issubclass(base, RegistryFamily):
             base.family_registry = self
+        if field is not None:
+            _FAMILIES[field] = self
 
     def register(self, key: str) -> Callable[[T], T]:
         """Return a class decorator that registers the class under ``key``.

@@ -33,27 +33,16 @@ from coreai_opt.quantization.spec.granularity import (
     QuantizationScheme,
     granularity_from_dict,
 )
-from coreai_opt.quantization.spec.histogram import check_num_bins
-from coreai_opt.quantization.spec.matmul_compute import MATMUL_COMPUTE_BITS, block_size_problem, get_matmul_compute
+from coreai_opt.quantization.spec.matmul_compute import (
+    MATMUL_COMPUTE_BITS,
+    block_size_problem,
+    get_matmul_compute,
+)
+from coreai_opt.quantization.spec.num_bins import check_num_bins
 from coreai_opt.quantization.spec.qparams_math import FLOAT32_MAX, quant_range
-from coreai_opt.quantization.spec.registry import Registry
+from coreai_opt.quantization.spec.registry import family
 
 __all__ = ["QuantizationSpec"]
-
-
-def _registries() -> dict[str, Registry]:
-    # Imported lazily: the calculator modules build parts *from* specs, so they import this module's type.
-    from coreai_opt.quantization.spec.fake_quantize import FAKE_QUANTIZE
-    from coreai_opt.quantization.spec.qparams_calculators import QPARAMS_CALCULATORS
-    from coreai_opt.quantization.spec.range_calculator import RANGE_CALCULATORS
-    from coreai_opt.quantization.spec.weight_roundings import WEIGHT_ROUNDING
-
-    return {
-        "range_calculator": RANGE_CALCULATORS,
-        "qparams_calculator": QPARAMS_CALCULATORS,
-        "fake_quantize": FAKE_QUANTIZE,
-        "weight_rounding": WEIGHT_ROUNDING,
-    }
 
 
 class QuantizationSpec(BaseModel):
@@ -72,7 +61,7 @@ class QuantizationSpec(BaseModel):
         num_bins: Histogram bins of the histogram range calculators.
         fake_quantize: Fake-quantize module key (``"default"``).
         weight_rounding: Weight-rounding algorithm key (``"rtn"``, ``"mse"``, ``"hqq"``, ``"gptq"``; see
-            :mod:`~coreai_opt.quantization.spec.weight_rounding`), or ``None``: round to nearest with the
+            :mod:`~coreai_opt.quantization.rounding.weight_rounding`), or ``None``: round to nearest with the
             calculator's qparams. Integer dtypes of at most 8 bits, ``qparams_calculator="static"``.
         matmul_compute: How a weight-only linear with this weight computes in onnxruntime's ``MatMulNBits``: a
             :data:`~coreai_opt.quantization.spec.matmul_compute.MATMUL_COMPUTE` key, ``"float"`` (default,
@@ -130,7 +119,7 @@ class QuantizationSpec(BaseModel):
     @classmethod
     def _check_registry_key(cls, value: Any, info: ValidationInfo) -> str:
         field = str(info.field_name)
-        registry = _registries()[field]
+        registry = family(field)
         if isinstance(value, type):
             return registry.key_of(registry.resolve(value))
         if not isinstance(value, str):
@@ -143,7 +132,7 @@ class QuantizationSpec(BaseModel):
     def _check_weight_rounding(cls, value: Any) -> str | None:
         if value is None:
             return None
-        registry = _registries()["weight_rounding"]
+        registry = family("weight_rounding")
         if isinstance(value, type):
             return registry.key_of(registry.resolve(value))
         if not isinstance(value, str):
@@ -210,9 +199,8 @@ class QuantizationSpec(BaseModel):
                 f"qscheme='asymmetric' is invalid for dtype {self.dtype!r}: float8 has no zero point; "
                 "use qscheme='symmetric'"
             )
-        registries = _registries()
-        range_cls = registries["range_calculator"].get_class(self.range_calculator)
-        qparams_cls = registries["qparams_calculator"].get_class(self.qparams_calculator)
+        range_cls = family("range_calculator").get_class(self.range_calculator)
+        qparams_cls = family("qparams_calculator").get_class(self.qparams_calculator)
         if getattr(range_cls, "accumulates", False) and self.qparams_calculator != "static":
             raise ValueError(
                 f"range_calculator={self.range_calculator!r} accumulates every batch itself and needs "

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from coreai_opt.api.auto_quantize import KERNEL_KINDS, CostTable, KernelCost
-from coreai_opt.api.auto_quantize import cost_measurement as cm
+from coreai_opt.api.algorithms.auto_quantize import KERNEL_KINDS, CostTable, KernelCost
+from coreai_opt.api.algorithms.auto_quantize import cost_measurement as cm
 
 #: Hand-written cost lines (overhead µs, MACs per µs): static fastest, then dynamic, then int8_compute; int16 beats
 #: float on overhead only (as on a runtime with 16-bit kernels), so every candidate is measured.

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from coreai_opt.api.auto_quantize import KERNEL_KINDS
-from coreai_opt.api.auto_quantize import cost_measurement as cm
-from coreai_opt.api.auto_quantize.cost_table import KernelCost
+from coreai_opt.api.algorithms.auto_quantize import KERNEL_KINDS
+from coreai_opt.api.algorithms.auto_quantize import cost_measurement as cm
+from coreai_opt.api.algorithms.auto_quantize.cost_table import KernelCost
 
 SMALL = {"linear_shapes": ((8, 32, 32), (8, 64, 128)), "conv_shapes": ((4, 4, 8), (8, 8, 8))}
 

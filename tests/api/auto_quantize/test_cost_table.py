@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from coreai_opt.api.auto_quantize import KERNEL_KINDS, CostTable, KernelCost
+from coreai_opt.api.algorithms.auto_quantize import KERNEL_KINDS, CostTable, KernelCost
 from tests.api.auto_quantize.conftest import table
 
 

@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.api.auto_quantize import recipe
-from coreai_opt.api.auto_quantize.candidates import candidate_op_config
-from coreai_opt.api.auto_quantize.error import model_outputs, relative_squared_error, unit_errors
-from coreai_opt.api.auto_quantize.search import Option
-from coreai_opt.api.auto_quantize.units import find_units, layer_int8_compute
-from coreai_opt.onnx.fusion_report import FLOAT_COMPUTE_OPS, INTEGER_COMPUTE_OPS, fusion_report, optimized_model
-from coreai_opt.quantization.spec.int8_compute import int8_compute_activation
-from coreai_opt.quantization.spec.int8_compute_op import Int8ComputeActivation
+from coreai_opt.api.algorithms.auto_quantize import recipe
+from coreai_opt.api.algorithms.auto_quantize.candidates import candidate_op_config
+from coreai_opt.api.algorithms.auto_quantize.error import model_outputs, relative_squared_error, unit_errors
+from coreai_opt.api.algorithms.auto_quantize.search import Option
+from coreai_opt.api.algorithms.auto_quantize.units import find_units, layer_int8_compute
+from coreai_opt.onnx.verify.fusion_report import FLOAT_COMPUTE_OPS, INTEGER_COMPUTE_OPS, fusion_report, optimized_model
+from coreai_opt.quantization.matmul_nbits.int8_compute import int8_compute_activation
+from coreai_opt.quantization.matmul_nbits.int8_compute_op import Int8ComputeActivation
 from tests.api.auto_quantize.conftest import table
 
 #: dynamic fastest, int8_compute next, float slow; static and int16 no faster than float (so not measured)
@@ -218,7 +218,7 @@ def test_int8_compute_behind_a_static_layer_loses_the_option_and_the_round_is_se
         options = [{"static": Option(0.0, 1.0), "float": Option(0.0, 9.0)},
                    {"int8_compute": Option(0.0, 1.0), "static": Option(0.0, 2.0), "float": Option(0.0, 9.0)}]
         behind: list[int] = []
-        choices, prepared = recipe._assign_and_prepare(options, 1.0, list(co.api.auto_quantize.CANDIDATES), units,
+        choices, prepared = recipe._assign_and_prepare(options, 1.0, list(co.api.algorithms.auto_quantize.CANDIDATES), units,
                                                        {}, behind, (model, (batches[0],), None, "auto"))
     # b as int8_compute would read a's uint8 output: no MatMulNBits, a float Gemm behind DequantizeLinear
     assert choices == ["static", "static"] and behind == [1] and "int8_compute" not in options[1]
@@ -228,7 +228,7 @@ def test_int8_compute_behind_a_static_layer_loses_the_option_and_the_round_is_se
 
 
 def test_the_cost_table_graph_of_int8_compute_is_the_exported_kernel_and_computes_its_numbers():
-    from coreai_opt.api.auto_quantize import cost_measurement as cm
+    from coreai_opt.api.algorithms.auto_quantize import cost_measurement as cm
 
     rng = np.random.default_rng(0)
     for (m, k, n), block in zip(cm.LINEAR_SHAPES, (32, 128, 256, 256, 256), strict=True):

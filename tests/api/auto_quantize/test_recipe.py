@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import coreai_opt as co
-from coreai_opt.api.auto_quantize.candidates import kernel_kind
+from coreai_opt.api.algorithms.auto_quantize.candidates import kernel_kind
 from coreai_opt.errors import UnexpectedError
 from tests.api.auto_quantize.conftest import LINES, table
 
@@ -24,7 +24,7 @@ def _outputs(model, batches):
 
 def test_auto_quantize_defaults_meet_max_error_and_report_every_layer(smoothed):
     report = smoothed.report
-    assert report.measured_error <= report.max_error == co.api.auto_quantize.DEFAULT_MAX_ERROR
+    assert report.measured_error <= report.max_error == co.api.algorithms.auto_quantize.DEFAULT_MAX_ERROR
     assert [u.layers for u in report.units] == [("q", "k"), ("fc1",), ("fc2",)]
     assert sum(report.counts().values()) == 4
     for unit in report.units:
@@ -156,7 +156,7 @@ def test_auto_quantize_rejects_empty_calibration_data(tiny):
 def test_auto_quantize_progress_bar_counts_every_measurement(tiny, monkeypatch):
     model, batches = tiny
     stream = io.StringIO()
-    import coreai_opt.api.auto_quantize.recipe as recipe
+    import coreai_opt.api.algorithms.auto_quantize.recipe as recipe
 
     real = recipe.tqdm
     monkeypatch.setattr(recipe, "tqdm", lambda **kw: real(file=stream, mininterval=0, **kw))

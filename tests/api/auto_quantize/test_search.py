@@ -1,6 +1,6 @@
 import pytest
 
-from coreai_opt.api.auto_quantize.search import Option, greedy_assign
+from coreai_opt.api.algorithms.auto_quantize.search import Option, greedy_assign
 
 ORDER = ["static", "dynamic", "int16", "float"]
 

@@ -2,8 +2,8 @@ import torch
 from torch import nn
 
 from coreai_opt.api import prepare
-from coreai_opt.api.auto_quantize.recipe import _uniform_config
-from coreai_opt.api.auto_quantize.units import find_units, layer_quantizers
+from coreai_opt.api.algorithms.auto_quantize.recipe import _uniform_config
+from coreai_opt.api.algorithms.auto_quantize.units import find_units, layer_quantizers
 from coreai_opt.reference_models import BasicBlock
 
 

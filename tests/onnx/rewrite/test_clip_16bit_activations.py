@@ -19,8 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import coreai_opt
 from coreai_opt.onnx import export_onnx, rewrite
-from coreai_opt.onnx.rewrite.clip_16bit_activations import ClipSixteenBitActivations, saturation_bounds
 from coreai_opt.onnx.rewrite.qdq import QdqView
+from coreai_opt.onnx.rewrite.rules.clip_16bit_activations import ClipSixteenBitActivations, saturation_bounds
 from tests.onnx.onnx_graphs import run
 from tests.onnx.openvino_graphs import conv_16bit_output
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, copy, ops, rewrite_count

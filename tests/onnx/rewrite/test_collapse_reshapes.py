@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
+from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
 from tests.onnx.onnx_graphs import run
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 

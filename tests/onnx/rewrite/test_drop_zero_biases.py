@@ -7,8 +7,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from coreai_opt.onnx.rewrite import apply
-from coreai_opt.onnx.rewrite.drop_zero_biases import DropZeroBiases
-from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
+from coreai_opt.onnx.rewrite.rules.drop_zero_biases import DropZeroBiases
+from coreai_opt.onnx.rewrite.rules.fold_quantized_weights import FoldQuantizedWeights
 from tests.onnx.onnx_graphs import conv_qdq_model, run
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, copy
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.rewrite.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
-from coreai_opt.quantization.spec.dynamic_quantize_op import dynamic_quantize_dequantize
+from coreai_opt.onnx.rewrite.rules.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
+from coreai_opt.quantization.ops.dynamic_quantize_op import dynamic_quantize_dequantize
 from tests.onnx.onnx_graphs import run
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent
 

@@ -14,7 +14,7 @@ from coreai_opt.cli.main import main
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, fusion_report
 from coreai_opt.onnx.rewrite import POST_PASSES, read_report
-from coreai_opt.onnx.rewrite.report import METADATA_KEY
+from coreai_opt.onnx.rewrite.rewrite_report import METADATA_KEY
 
 
 class _TokenMlp(nn.Module):

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from coreai_opt.onnx.rewrite.fold_constant_activations import FoldConstantActivations
+from coreai_opt.onnx.rewrite.rules.fold_constant_activations import FoldConstantActivations
 from tests.onnx.onnx_graphs import run
 from tests.onnx.openvino_graphs import embedding_add
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent
@@ -65,7 +65,7 @@ def test_a_constant_branch_the_folder_refuses_is_a_recorded_near_miss() -> None:
 
 def test_openvino_compiles_and_agrees_with_onnxruntime_after_the_fold(tmp_path: Path) -> None:
     pytest.importorskip("openvino")
-    from coreai_opt.onnx.runtimes import open_runner
+    from coreai_opt.onnx.verify.runtimes import open_runner
 
     model = embedding_add(np.random.default_rng(0))
     apply_rule(model, RULE)

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from coreai_opt.onnx.rewrite.fold_quantized_weights import FoldQuantizedWeights
+from coreai_opt.onnx.rewrite.rules.fold_quantized_weights import FoldQuantizedWeights
 from tests.onnx.onnx_graphs import conv_qdq_model, run, weight_qdq_model
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 

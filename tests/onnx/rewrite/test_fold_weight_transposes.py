@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from coreai_opt.onnx import fusion_report
-from coreai_opt.onnx.rewrite.fold_weight_transposes import FoldWeightTransposes
+from coreai_opt.onnx.rewrite.rules.fold_weight_transposes import FoldWeightTransposes
 from tests.onnx.onnx_graphs import run, save
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 

@@ -17,8 +17,8 @@ import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
 from coreai_opt.onnx.rewrite import apply
-from coreai_opt.onnx.rewrite.gather_block_quantized_rows import GatherBlockQuantizedRows
-from coreai_opt.onnx.rewrite.write_matmul_nbits import WriteMatMulNBits
+from coreai_opt.onnx.rewrite.rules.gather_block_quantized_rows import GatherBlockQuantizedRows
+from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import WriteMatMulNBits
 from tests.onnx.onnx_graphs import run
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, copy, ops, rewrite_count
 
@@ -106,7 +106,7 @@ def test_a_last_block_shorter_than_block_size_is_bit_identical() -> None:
 
 
 def test_openvino_reads_the_gathered_blocks_bit_identically(tmp_path: Path) -> None:
-    from coreai_opt.onnx.runtimes import open_runner
+    from coreai_opt.onnx.verify.runtimes import open_runner
 
     for table_type in TYPES:
         model = _table_model(table_type)

@@ -17,7 +17,7 @@ from torch import nn
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.onnx.rewrite.gather_quantized_rows import GatherQuantizedRows
+from coreai_opt.onnx.rewrite.rules.gather_quantized_rows import GatherQuantizedRows
 from tests.onnx.onnx_graphs import run
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph
 
-from coreai_opt.onnx.rewrite.guard_4bit_activations import GuardFourBitActivations
+from coreai_opt.onnx.rewrite.rules.guard_4bit_activations import GuardFourBitActivations
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, rewrite_count
 
 RULE = GuardFourBitActivations()

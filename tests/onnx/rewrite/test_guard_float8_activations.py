@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.onnx.rewrite.guard_float8_activations import GuardFloat8Activations
+from coreai_opt.onnx.rewrite.rules.guard_float8_activations import GuardFloat8Activations
 from coreai_opt.reference_models import DigitsCNN
 from tests.onnx.onnx_graphs import run
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import coreai_opt
 from coreai_opt.onnx import export_onnx, rewrite
-from coreai_opt.onnx.rewrite.guard_quantized_sums import GuardQuantizedSums
+from coreai_opt.onnx.rewrite.rules.guard_quantized_sums import GuardQuantizedSums
 from tests.onnx.openvino_graphs import reshaped_sum
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, copy, ops
 from tests.zoo import ZOO, build, preset_config

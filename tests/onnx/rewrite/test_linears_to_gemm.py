@@ -16,8 +16,8 @@ import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, fusion_report, verify_onnx
 from coreai_opt.onnx.rewrite import apply
-from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
-from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
+from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
+from coreai_opt.onnx.rewrite.rules.linears_to_gemm import LinearsToGemm
 from tests.onnx.onnx_graphs import run, save
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent
 

@@ -15,7 +15,7 @@ from torch import nn
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.onnx.rewrite.means_to_global_average_pool import MeansToGlobalAveragePool
+from coreai_opt.onnx.rewrite.rules.means_to_global_average_pool import MeansToGlobalAveragePool
 from tests.onnx.onnx_graphs import run
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from coreai_opt.onnx.rewrite.means_to_sum_and_divide import MeansToSumAndDivide
+from coreai_opt.onnx.rewrite.rules.means_to_sum_and_divide import MeansToSumAndDivide
 from tests.onnx.onnx_graphs import run
 from tests.onnx.openvino_graphs import MEAN_IN, sequence_mean
 from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, ops
@@ -118,7 +118,7 @@ def test_a_float_mean_is_not_a_candidate() -> None:
 
 def test_openvino_agrees_with_onnxruntime_after_the_rewrite(tmp_path: Path) -> None:
     pytest.importorskip("openvino")
-    from coreai_opt.onnx.runtimes import open_runner
+    from coreai_opt.onnx.verify.runtimes import open_runner
 
     model = _with_shapes(sequence_mean(12, as_sum_div=False))
     apply_rule(model, RULE)

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 from coreai_opt.onnx.rewrite import row_chunks
 from coreai_opt.onnx.rewrite.constant_folder import ConstantFolder, expand_qparam
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
-from coreai_opt.onnx.rewrite.narrow_range_clamp import plan_clamp_fold
+from coreai_opt.onnx.rewrite.rules.narrow_range_clamp import plan_clamp_fold
 
 RNG = np.random.default_rng(0)
 ROWS, COLS = 36, 16

@@ -10,9 +10,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from coreai_opt.onnx.rewrite import POST_PASSES, Fail, Match, OnnxGraph, Rule, apply
-from coreai_opt.onnx.rewrite.collapse_reshapes import CollapseReshapes
-from coreai_opt.onnx.rewrite.linears_to_gemm import LinearsToGemm
-from coreai_opt.onnx.rewrite.report import RewriteReport, Skip, module_path, read_report, record_report
+from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, Skip, module_path, read_report, record_report
+from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
+from coreai_opt.onnx.rewrite.rules.linears_to_gemm import LinearsToGemm
 
 
 class _DropIdentities(Rule):
@@ -111,7 +111,7 @@ def test_post_passes_are_the_sixteen_rules_in_export_order_with_unique_names() -
         "guard_float8_activations", "guard_4bit_activations", "clip_16bit_activations",
     ]
     for rule in POST_PASSES:
-        assert rule.__module__ == f"coreai_opt.onnx.rewrite.{rule.name}"  # each rule's file is named after it
+        assert rule.__module__ == f"coreai_opt.onnx.rewrite.rules.{rule.name}"  # each rule's file is named after it
 
 
 def test_report_round_trips_through_model_metadata_as_sorted_json() -> None:

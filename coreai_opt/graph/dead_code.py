@@ -1,0 +1,43 @@
+"""Delete nodes nothing reads, but only those proven free of side effects.
+
+``torch.fx.Graph.eliminate_dead_code`` treats ``x.add_(y)``, ``F.relu(x, inplace=True)`` and any module call as
+pure, so an in-place op whose *result* is unused (its effect is the write into ``x``) is deleted and the model
+silently changes. Every pass that removes nodes uses :func:`remove_dead_nodes` instead: a node goes only when it
+has no users and :func:`~coreai_opt.graph.op_effects.is_pure` proves that its result is its only effect.
+"""
+
+from __future__ import annotations
+
+from torch.fx import GraphModule
+
+from coreai_opt.graph.op_effects import is_pure
+
+__all__ = ["remove_dead_nodes"]
+
+
+def remove_dead_nodes(gm: GraphModule) -> int:
+    """Erase every unused pure node (users first, so whole dead chains go in one sweep).
+
+    Args:
+        gm: The GraphModule; its graph is changed in place (call ``gm.recompile()`` afterwards).
+
+    Returns:
+        The number of nodes erased.
+
+    Example:
+        >>> import torch
+        >>> class M(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         x.add_(1)      # unused result, but it writes into x
+        ...         _ = x * 2      # unused and pure
+        ...         return x
+        >>> gm = torch.fx.symbolic_trace(M())
+        >>> remove_dead_nodes(gm), [str(n.target) for n in gm.graph.nodes]
+        (1, ['x', 'add_', 'output'])
+    """
+    erased = 0
+    for node in reversed(list(gm.graph.nodes)):
+        if not node.users and is_pure(gm, node):
+            gm.graph.erase_node(node)
+            erased += 1
+    return erased

@@ -1,0 +1,63 @@
+"""Reading and rebinding the attributes a graph's ``get_attr`` nodes name (``"layer1.0.conv1.weight"``).
+
+One place splits a qualified target into its owner module and attribute name, so that every pass and API
+module reads weights, buffers and quantizer modules the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from coreai_opt.graph.node_meta import tensor_info
+
+__all__ = ["attr_value", "bind_parameter", "get_attr_value", "node_shape", "split_target"]
+
+
+def split_target(target: object) -> tuple[str, str]:
+    """``"a.b.weight"`` -> ``("a.b", "weight")``; a top-level attribute has the owner ``""`` (the root)."""
+    owner, _, name = str(target).rpartition(".")
+    return owner, name
+
+
+def attr_value(root: nn.Module, target: object) -> Any:
+    """The object at the qualified ``target`` of ``root`` (a parameter, buffer, module or plain attribute).
+
+    Raises:
+        AttributeError: ``target`` does not exist (the message names it).
+    """
+    owner, name = split_target(target)
+    return getattr(root.get_submodule(owner), name)
+
+
+def get_attr_value(node: object, root: nn.Module) -> Any | None:
+    """The object a ``get_attr`` node reads; None for any other node or value, or a missing attribute."""
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    try:
+        return attr_value(root, node.target)
+    except AttributeError:
+        return None
+
+
+def node_shape(node: Node, gm: GraphModule) -> tuple[int, ...] | None:
+    """Shape of the tensor a node produces (a ``get_attr`` tensor or a traced output; -1 = dynamic size)."""
+    if node.op == "get_attr":
+        value = get_attr_value(node, gm)
+        return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    info = tensor_info(node)
+    return info[0] if info else None
+
+
+def bind_parameter(root: nn.Module, target: str, value: torch.Tensor) -> None:
+    """Bind a NEW ``nn.Parameter`` holding ``value`` at ``target`` (the old object is left untouched).
+
+    The new parameter keeps the old one's ``requires_grad`` (True when the old value was a plain tensor).
+    """
+    owner, name = split_target(target)
+    module = root.get_submodule(owner)
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value, requires_grad=getattr(old, "requires_grad", True)))

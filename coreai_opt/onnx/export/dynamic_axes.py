@@ -1,0 +1,111 @@
+"""Which axes of the exported ONNX graph's inputs are symbolic, and under which names.
+
+Default, per graph input (position ``i`` of ``example_inputs``):
+
+* a model captured with ``torch.export``: every dimension the capture kept symbolic
+  (:attr:`~coreai_opt.graph.graph_meta.GraphMeta.dynamic_axes`, see ``coreai_opt.graph.dynamic_dims``: batch,
+  sequence, height, width, ``<input>_dim<i>``), i.e. every size the model's code does not fix;
+* any other model (FX capture, a plain module): dimension 0 only (an FX graph holds no sizes, so nothing says
+  which other axes its code keeps generic);
+* ``dynamic_batch=True`` adds dimension 0 as ``batch`` to every input of rank >= 1, ``False`` removes it.
+
+``export_onnx(..., dynamic_shapes={"input_ids": {0: "batch", 1: "sequence"}, "mask": None})`` replaces the default
+for the inputs it names (``None``: every dimension fixed at the example size). Inputs sharing an axis name share one
+``torch.export.Dim``, so the exporter treats them as the same size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import onnx
+import torch
+from torch import nn
+
+from coreai_opt.graph.graph_meta import get_graph_meta
+
+__all__ = ["DynamicShapes", "BATCH", "input_axes", "torch_dynamic_shapes", "check_axes_are_dynamic"]
+
+#: ``export_onnx``'s override: ``{graph input name: {dimension: axis name} | None}``.
+DynamicShapes = Mapping[str, Mapping[int, str] | None]
+#: Name of the symbolic batch dimension.
+BATCH = "batch"
+
+
+def _captured(model: nn.Module) -> dict[str, dict[int, str]] | None:
+    meta = get_graph_meta(model)
+    return meta.dynamic_axes if meta is not None else None
+
+
+def _checked_override(name: str, axes: Mapping[int, str] | None, rank: int) -> dict[int, str]:
+    if axes is None:
+        return {}
+    if not isinstance(axes, Mapping):
+        raise TypeError(f"dynamic_shapes[{name!r}] must be a dict {{dimension: axis name}} or None, got "
+                        f"{type(axes).__name__}; e.g. {{0: 'batch', 1: 'sequence'}}")
+    for dim, axis in axes.items():
+        if not isinstance(dim, int) or not -rank <= dim < rank:
+            raise ValueError(f"dynamic_shapes[{name!r}] names dimension {dim!r}, but that input has rank {rank}")
+        if not isinstance(axis, str) or not axis.isidentifier():
+            raise ValueError(f"dynamic_shapes[{name!r}][{dim}] = {axis!r}: an axis name must be a Python identifier "
+                             "such as 'sequence'")
+    return {dim % rank: axis for dim, axis in axes.items()}
+
+
+def input_axes(
+    model: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    input_names: Sequence[str],
+    dynamic_batch: bool,
+    dynamic_shapes: DynamicShapes | None,
+) -> list[dict[int, str]]:
+    """The ``{dimension: axis name}`` of every graph input (see the module docstring for the rules).
+
+    Raises:
+        ValueError: ``dynamic_shapes`` names an unknown input, a dimension out of range or an invalid axis name.
+        TypeError: an entry of ``dynamic_shapes`` is not a dict or None.
+    """
+    overrides = dict(dynamic_shapes or {})
+    unknown = sorted(set(overrides) - set(input_names))
+    if unknown:
+        raise ValueError(f"dynamic_shapes names {unknown}, which are not inputs of the graph (its inputs: "
+                         f"{list(input_names)})")
+    captured = _captured(model)
+    arguments = list(getattr(model, "meta", {}).get("coreai_opt", {}).get("input_names", [])) if captured else []
+    axes: list[dict[int, str]] = []
+    for i, (tensor, name) in enumerate(zip(inputs, input_names, strict=True)):
+        if name in overrides:
+            axes.append(_checked_override(name, overrides[name], tensor.dim()))
+            continue
+        default = dict(captured.get(arguments[i], {})) if captured and i < len(arguments) else {}
+        default.pop(0, None)
+        if dynamic_batch and tensor.dim() > 0:
+            default[0] = BATCH
+        axes.append(dict(sorted(default.items())))
+    return axes
+
+
+def torch_dynamic_shapes(axes: Sequence[dict[int, str]]) -> tuple[dict[int, object] | None, ...] | None:
+    """``torch.onnx.export``'s ``dynamic_shapes``: one ``torch.export.Dim`` per axis name (shared by name)."""
+    if not any(axes):
+        return None
+    dims = {name: torch.export.Dim(name) for spec in axes for name in spec.values()}
+    return tuple({d: dims[name] for d, name in spec.items()} or None for spec in axes)
+
+
+def check_axes_are_dynamic(model_proto: onnx.ModelProto, axes: Sequence[dict[int, str]]) -> None:
+    """Raise when an axis asked to be dynamic came out of the exporter as a constant.
+
+    Raises:
+        ValueError: names the input, the dimension and its constant, and the fix.
+    """
+    for value, spec in zip(model_proto.graph.input, axes, strict=True):
+        dims = value.type.tensor_type.shape.dim
+        for d, axis in spec.items():
+            if d < len(dims) and not dims[d].dim_param:
+                fix = ("export with dynamic_batch=False" if d == 0 else
+                       f"export with dynamic_shapes={{{value.name!r}: {{...}}}} leaving dimension {d} out")
+                raise ValueError(
+                    f"dimension {d} ({axis!r}) of input {value.name!r} was exported as the constant "
+                    f"{dims[d].dim_value}: the model's code fixes it (e.g. a reshape to a literal size); {fix}"
+                )

@@ -1,0 +1,321 @@
+"""``export_onnx``: a converted model -> one checked, deterministic ONNX QDQ file.
+
+Recipe: check the model is converted -> pick the opset from its quantizers (:mod:`coreai_opt.onnx.export.opset`) ->
+``torch.onnx.export(dynamo=True)`` with the spec layer's ``quantize_dequantize`` translation -> quantize the large
+weights in chunks before the model is serialised (:mod:`coreai_opt.onnx.export.prequantize_weights`: no float copy of
+them reaches the protobuf, and step 1 takes their integers as computed) -> apply the ONNX
+post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per module of
+:mod:`coreai_opt.onnx.rewrite`):
+
+1. ``fold_quantized_weights``: store constant weights and int32 biases quantized (initializer -> DequantizeLinear);
+2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> MatMulInteger (DynamicQuantizeMatMul);
+3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul);
+4. ``write_matmul_nbits``: weight-only linears as ``MatMulNBits`` with the accuracy level their weight spec's
+    ``matmul_compute`` names (:mod:`coreai_opt.onnx.rewrite.rules.write_matmul_nbits`);
+5. ``gather_block_quantized_rows``: per-block embedding tables read row by row (``GatherBlockQuantized``);
+6. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
+7. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
+8. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
+9. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
+10. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
+11. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
+12. ``guard_quantized_sums``: ``Max(x, lowest)`` before a ReduceSum of an asymmetric 8/4-bit DQ (OpenVINO);
+13. ``drop_zero_biases``: drop all-zero conv / gemm biases;
+14. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
+15. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
+    kernels it has no 4-bit form of;
+16. ``clip_16bit_activations``: an explicit Clip before every 16-bit activation Q (OpenVINO drops their clamp);
+
+-> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
+(:mod:`coreai_opt.onnx.rewrite.rewrite_report`) -> keep only the ``namespace`` entry of the exporter's per-node debug
+metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.export.save`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from coreai_opt import third_party_noise
+from coreai_opt.error_boundary import public_api
+from coreai_opt.graph.graph_meta import get_graph_meta
+from coreai_opt.graph.node_meta import Role, get_meta
+from coreai_opt.onnx import rewrite
+from coreai_opt.onnx.export.dynamic_axes import (
+    BATCH,
+    DynamicShapes,
+    check_axes_are_dynamic,
+    input_axes,
+    torch_dynamic_shapes,
+)
+from coreai_opt.onnx.export.export_routes import export_with_fallback, torchscript_export
+from coreai_opt.onnx.export.input_validation import check_export_inputs, check_io_names
+from coreai_opt.onnx.export.model_quantizers import converted_quantizers, quantizer_uses
+from coreai_opt.onnx.export.opset import preferred_opset, select_opset
+from coreai_opt.onnx.export.prequantize_weights import (
+    check_no_deferred_weights,
+    defer_large_weights,
+    prequantize_initializers,
+)
+from coreai_opt.onnx.export.rounded_weights import bind_rounded_weights, rounded_weight_buffers
+from coreai_opt.onnx.export.save import check_output_path, save_model_atomically
+from coreai_opt.onnx.rewrite.rewrite_report import record_report
+from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import finish_matmul_nbits
+from coreai_opt.passes.sink_weight_quantizers import eager_order
+from coreai_opt.quantization.matmul_nbits.int8_compute_op import Int8ComputeActivation, int8_compute_translation_table
+from coreai_opt.quantization.ops.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
+from coreai_opt.quantization.ops.quantize_dequantize_op import quantize_dequantize_translation_table
+from coreai_opt.quantization.spec.matmul_compute import get_matmul_compute
+
+__all__ = ["export_onnx", "BATCH_DIM_NAME", "strip_debug_metadata"]
+
+#: Name of the symbolic batch dimension in the exported graph.
+BATCH_DIM_NAME = BATCH
+#: Exporter node metadata kept in the file (the module path each node came from).
+_KEPT_NODE_METADATA = frozenset({"namespace"})
+
+
+def _as_input_tuple(example_inputs: object) -> tuple[torch.Tensor, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in example_inputs):
+        if not example_inputs:
+            raise ValueError("example_inputs is empty; pass the tensor(s) the model's forward takes")
+        return tuple(example_inputs)
+    raise TypeError(
+        "example_inputs must be a tensor or a tuple of tensors (one per forward argument), "
+        f"got {type(example_inputs).__name__}"
+    )
+
+
+def _default_input_names(model: nn.Module, count: int) -> list[str]:
+    meta = get_graph_meta(model)
+    if meta is not None and meta.input_names:
+        names = list(meta.input_names)
+    elif isinstance(model, torch.fx.GraphModule):
+        names = [str(n.target) for n in model.graph.nodes if n.op == "placeholder"]
+    else:
+        names = [p.name for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[:count]
+
+
+def _names(given: Sequence[str] | None, default: list[str], count: int, what: str) -> list[str]:
+    names = list(given) if given is not None else default
+    if given is not None and not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"{what} must be non-empty strings, got {given!r}")
+    if len(names) != count:
+        raise ValueError(f"{what} has {len(names)} name(s) {names} but the model has {count}; pass {count} names")
+    if len(set(names)) != count:
+        raise ValueError(f"{what} contains duplicates: {names}")
+    return names
+
+
+def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    with torch.no_grad():
+        outputs = eager_order(model)(*inputs)
+    pytree = torch.utils._pytree
+    leaves = pytree.tree_flatten_with_path(outputs)[0]
+    others = [(pytree.keystr(path), value) for path, value in leaves if not isinstance(value, torch.Tensor)]
+    if others:
+        where, value = others[0]
+        raise TypeError(
+            f"output{where} of the model is {value!r} ({type(value).__name__}), and an ONNX graph returns only tensors"
+            f"{f' ({len(others)} such outputs)' if len(others) > 1 else ''}; return only tensors from forward "
+            "(drop the non-tensor output, or wrap the model in a module that does)"
+        )
+    if not leaves:
+        raise TypeError(f"the model must return a tensor or a (nested) tuple of tensors, got {type(outputs).__name__}")
+    return len(leaves)
+
+
+def strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
+    """Keep only the ``namespace`` (module path) of each node's exporter metadata.
+
+    The dynamo exporter also records the FX node text, the class hierarchy and the Python stack trace (absolute
+    source paths) on every node; on small models that is as large as the quantized weights and it ties the file's
+    bytes to the machine it was exported on.
+    """
+    for node in model_proto.graph.node:
+        kept = [entry for entry in node.metadata_props if entry.key in _KEPT_NODE_METADATA]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+
+
+def _export_proto(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
+    input_names: list[str], output_names: list[str],
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The exported protobuf and its large weights, quantized in chunks.
+
+    On the dynamo route the float copies of those weights never reach the protobuf.
+    """
+
+    def dynamo() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        with rounded_weight_buffers(model, lazy=True) as placeholders:  # one rounded weight in memory at a time
+            program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
+            bind_rounded_weights(program.model, placeholders)
+        quantized = defer_large_weights(program.model)
+        return program.model_proto, quantized
+
+    def torchscript() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+        with rounded_weight_buffers(model, lazy=False):
+            proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
+        return proto, prequantize_initializers(proto)
+
+    with third_party_noise.scoped():  # the exporter's known harmless warnings, for this call only
+        return export_with_fallback(dynamo, torchscript)
+
+
+def _dynamo_export(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
+    input_names: list[str], output_names: list[str],
+) -> torch.onnx.ONNXProgram:
+    return torch.onnx.export(
+        model,
+        inputs,
+        dynamo=True,
+        opset_version=opset,
+        custom_translation_table={
+            **quantize_dequantize_translation_table(opset),
+            **dynamic_quantize_dequantize_translation_table(opset),
+            **int8_compute_translation_table(),
+        },
+        dynamic_shapes=torch_dynamic_shapes(axes),
+        input_names=input_names,
+        output_names=output_names,
+        external_data=False,
+        verbose=False,
+    )
+
+
+def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    """Refuse bfloat16: onnxruntime's CPU provider has no bfloat16 Conv/Gemm/MatMul kernels to run it."""
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
+    if any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors):
+        raise ValueError(
+            "the model or its example inputs are bfloat16, and onnxruntime's CPU provider has no bfloat16 "
+            "Conv/Gemm/MatMul kernels; export a float32 or float16 copy instead (e.g. model.float() and "
+            "float32 example inputs), which keeps the float32 qparams"
+        )
+
+
+def _check_matmul_compute(model: nn.Module, requested: str | None) -> None:
+    """Refuse ``matmul_compute=requested`` when the model was quantized for another compute (names the layers)."""
+    if requested is None:
+        return
+    get_matmul_compute(requested)  # unknown name: ValueError listing the choices
+    emulating = [m.name for m in model.modules() if isinstance(m, Int8ComputeActivation)]
+    if requested == "float":
+        other = emulating
+    else:
+        weights = {str(n.target) for n in getattr(getattr(model, "graph", None), "nodes", ())
+                   if (info := get_meta(n).quantizer) is not None and info.role is Role.WEIGHT}
+        other = [model.get_submodule(t).name for t in sorted(weights)
+                 if model.get_submodule(t).spec.matmul_compute != requested]
+        other = other or ([] if emulating else ["(no linear emulates int8 compute)"])
+    if other:
+        raise ValueError(
+            f"export_onnx(matmul_compute={requested!r}) but the model was quantized for another compute at "
+            f"{', '.join(other[:5])}{' ...' if len(other) > 5 else ''}: eager and onnxruntime would differ there. "
+            f"Prepare with the weight spec's matmul_compute={requested!r} (e.g. "
+            f"QuantizerConfig.presets.w8(compute={requested!r})), or export without matmul_compute")
+
+
+@public_api
+def export_onnx(
+    model: nn.Module,
+    example_inputs: torch.Tensor | tuple[torch.Tensor, ...],
+    path: str | os.PathLike[str],
+    *,
+    opset: int | None = None,
+    dynamic_batch: bool = True,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    dynamic_shapes: DynamicShapes | None = None,
+    matmul_compute: str | None = None,
+) -> Path:
+    """Export a converted model to an ONNX QDQ file that onnxruntime runs.
+
+    Every quantizer becomes ``QuantizeLinear -> DequantizeLinear``; quantizers on constant weights and int32
+    biases are folded so the file stores integer (or float8) initializers followed by ``DequantizeLinear``;
+    weights the graph transposes are stored transposed; weight-only linears are written as ``MatMulNBits``
+    (``accuracy_level=1``, float compute, or 4 for ``matmul_compute="int8"``, see ``matmul_compute`` below); 8-bit
+    linears on rank > 2 inputs (a transformer's ``[batch, seq, K]``)
+    are written as ``Reshape -> Gemm -> Reshape`` so onnxruntime runs them as ``QGemm`` with the int32 bias, the
+    same arithmetic as ``MatMul + Add``. Of the exporter's per-node debug metadata only ``namespace`` (the
+    module path) is kept: stack traces with absolute source paths would tie the bytes to the machine. What the
+    post-passes rewrote, and why they skipped the near misses (``linears_to_gemm skipped node_MatMul_3
+    (q_proj/linear): weight is per-block``), is stored in the file (``coreai_opt.rewrites`` metadata; shown by
+    ``fusion_report(path)`` and ``coreai-opt inspect``).
+
+    Path rules: the directory of ``path`` must exist (it is not created). Models up to
+    :data:`coreai_opt.onnx.export.save.SINGLE_FILE_LIMIT_BYTES` of tensor data are one file; larger ones put their
+    tensors in ``<file name>.data`` next to ``path`` (``model.onnx`` -> ``model.onnx.data``), referenced by that
+    relative name, so move both files together. Files are written to temporaries in the same directory and
+    moved into place with ``os.replace``, so a failed export never leaves a partial file and never damages an
+    existing file at ``path``. Exporting the same model twice gives byte-identical files.
+
+    Args:
+        model: A model returned by ``coreai_opt.convert`` (or any module whose coreai_opt quantizers are all in
+            export mode).
+        example_inputs: A tensor or a tuple of tensors, one per forward argument.
+        path: Output file.
+        opset: ONNX opset; None picks the lowest one the model's dtypes and granularities allow (int8/uint8: 18,
+            float8: 19, int16/uint16/int4/uint4 or any per-block quantizer: 21), and at least 20 when the model
+            has a GELU, so it exports as one ``Gelu`` op (see :mod:`coreai_opt.onnx.export.opset`).
+        dynamic_batch: Make dimension 0 of every input (and the outputs depending on it) symbolic (``"batch"``).
+            Other axes: a model captured with ``torch.export`` keeps every axis its capture kept symbolic
+            (``"sequence"``, ``"height"``, ``"width"``, ``"<input>_dim<i>"``); other models only the batch.
+        input_names: Graph input names; default: the model's argument names.
+        output_names: Graph output names; default ``"output"`` (one output) or ``"output_0"``, ``"output_1"``, ...
+        dynamic_shapes: Per graph input name, ``{dimension: axis name}`` to make symbolic, or None for a fixed
+            shape; replaces the default for the inputs it names (see :mod:`coreai_opt.onnx.export.dynamic_axes`).
+        matmul_compute: How weight-only linears run in onnxruntime. They are always written as ``MatMulNBits``
+            (4- / 8-bit weights, blocks of a power of two >= 16) with the accuracy level their weight spec's
+            ``matmul_compute`` names: ``"float"`` (``accuracy_level=1``, exact float compute, the default of every
+            preset) or ``"int8"`` (``accuracy_level=4``, int8 activations; the eager model emulates them). The
+            choice is made at ``prepare`` (``QuantizerConfig.presets.w8(compute="int8")``) because the eager model
+            must emulate it; passing it here only checks that the model was quantized that way and raises
+            ``ValueError`` naming the layers otherwise. None: no check.
+
+    Returns:
+        The path written, as a :class:`~pathlib.Path`.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or the inputs/names have the wrong type.
+        ValueError: The model is not converted (call ``coreai_opt.convert(prepared)``), ``opset`` is too low for
+            one of its dtypes, a dtype has no onnxruntime kernel, or the names do not match the model.
+        FileNotFoundError: The directory of ``path`` does not exist.
+    """
+    path = check_output_path(path)
+    quantizers = converted_quantizers(model)
+    _check_matmul_compute(model, matmul_compute)
+    inputs = _as_input_tuple(example_inputs)
+    check_export_inputs(model, inputs)
+    _refuse_bfloat16(model, inputs)
+    chosen_opset = select_opset(quantizer_uses(quantizers), opset, preferred=preferred_opset(model))
+    in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
+    num_outputs = _count_outputs(model, inputs)
+    default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]
+    out_names = _names(output_names, default_out, num_outputs, "output_names")
+    check_io_names(in_names, out_names)
+
+    axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
+    model_proto, quantized = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
+    check_axes_are_dynamic(model_proto, axes)
+    report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized)
+    del quantized
+    check_no_deferred_weights(model_proto)
+    finish_matmul_nbits(model_proto, report)
+    record_report(model_proto, report)
+    strip_debug_metadata(model_proto)
+    save_model_atomically(model_proto, path)
+    return path

@@ -1,0 +1,376 @@
+"""``verify_onnx``: run the exported file in onnxruntime (or OpenVINO) and the converted model in eager, same inputs.
+
+Tolerances behind :attr:`VerificationReport.ok` are derived per output from the kernels onnxruntime actually runs
+(:mod:`coreai_opt.onnx.verify.tolerance`, table :mod:`coreai_opt.onnx.verify.ort_kernels`); each output's rule and
+reason are in
+its :class:`OutputComparison` and in ``str(report)``:
+
+* a quantized output (produced by a ``DequantizeLinear``) is judged in its own steps (its scale; per-channel
+  scales per element; float8 the grid spacing at the value): 0 steps when every op from the quantizers feeding it
+  is exact, else one step per quantizer stage after float accumulation or an integer kernel's requantisation;
+* a float output with no activation quantizer on its path (weight-only models) at float precision,
+  :data:`~coreai_opt.onnx.verify.tolerance.FLOAT_PRECISION` of its reference range ``max(ref) - min(ref)`` (plus
+  :data:`FLOAT_ABSOLUTE_TOLERANCE`);
+* a classifier-shaped output (2-D ``[N, C]`` with ``C > 1``) must agree on every row's argmax, except rows
+  whose eager top-2 margin is within twice the output tolerance above (a near tie: both logits may move by the
+  tolerated difference, so either answer is consistent with it). Such flips are counted in
+  ``argmax_flips_within_tolerance``; ``argmax_agreement`` always reports the raw fraction over all rows.
+
+When an output fails, :func:`coreai_opt.onnx.verify.localize.localize_divergence` names the first quantizer (or layer)
+where eager and onnxruntime part, and the report shows it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from coreai_opt.error_boundary import public_api
+from coreai_opt.onnx.export.input_validation import check_verify_batches
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.rewrite.qdq import QdqView
+from coreai_opt.onnx.verify.fusion_report import FusionReport, fusion_report, optimized_model
+from coreai_opt.onnx.verify.int8_compute_steps import int8_step_units
+from coreai_opt.onnx.verify.localize import Divergence, localize_divergence
+from coreai_opt.onnx.verify.output_steps import OutputStep, element_steps
+from coreai_opt.onnx.verify.runtimes import graph_input_names, open_runner
+from coreai_opt.onnx.verify.tolerance import FLOAT_PRECISION, OutputTolerance, derive_tolerances
+from coreai_opt.passes.sink_weight_quantizers import eager_order
+
+__all__ = [
+    "VerificationReport",
+    "OutputComparison",
+    "verify_onnx",
+    "FLOAT_ABSOLUTE_TOLERANCE",
+]
+
+#: Absolute slack added to float tolerances (covers constant outputs, whose range is 0).
+FLOAT_ABSOLUTE_TOLERANCE = 1e-6
+
+# Dequantized values are float32 products (q - z) * s, so an exact k-step difference measures k * (1 ± 2^-23).
+_STEP_ROUNDING = 1e-3
+
+# Ops that move values without changing them: a DequantizeLinear seen through them still defines the step.
+_VALUE_PRESERVING = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
+
+
+@dataclass(frozen=True)
+class OutputComparison:
+    """Eager vs the runtime for one graph output, over all batches.
+
+    Attributes:
+        name: ONNX output name.
+        shape: Shape of the output of the first batch.
+        max_abs_diff: Largest ``|runtime - eager|``.
+        step: Per-tensor quantization step of the output (None for a float or per-channel-quantized output).
+        max_diff_steps: Largest difference divided by the (per-element) step, None for float outputs.
+        reference_range: ``max(eager) - min(eager)``.
+        argmax_agreement: Fraction of rows whose argmax agrees (2-D ``[N, C>1]`` outputs), else None.
+        argmax_flips_within_tolerance: Rows whose argmax differs but whose eager top-2 margin is within twice
+            the output tolerance (near ties), else 0.
+        ok: Within the derived tolerance (and no decisive argmax flip).
+        rule: The tolerance rule that applied (``"exact"``, ``"steps"``, ``"float"``, ``"quantizer steps"``,
+            ``"underived"``, ``"int8 compute"``; see :mod:`coreai_opt.onnx.verify.tolerance`).
+        tolerance_steps: Allowed difference in steps (step rules), else None.
+        tolerance: Allowed absolute difference (for per-element steps: at the coarsest step).
+        reason: One line: why this tolerance (which kernels differ and how).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    max_abs_diff: float
+    step: float | None
+    max_diff_steps: float | None
+    reference_range: float
+    argmax_agreement: float | None
+    argmax_flips_within_tolerance: int
+    ok: bool
+    rule: str = "float"
+    tolerance_steps: int | None = None
+    tolerance: float = 0.0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    """Result of :func:`verify_onnx`; ``str(report)`` is a table, one reason line per output, and the fusion report.
+
+    Attributes:
+        path: The ONNX file.
+        num_batches: Batches compared.
+        num_samples: Samples compared (sum of batch sizes of the first input).
+        outputs: One :class:`OutputComparison` per graph output.
+        fusion: onnxruntime's fusion report for the file.
+        runtime: The runtime compared with eager (``"onnxruntime"`` or ``"openvino"``).
+        divergence: Where eager and onnxruntime first part, when an output failed (None otherwise).
+    """
+
+    path: Path
+    num_batches: int
+    num_samples: int
+    outputs: tuple[OutputComparison, ...]
+    fusion: FusionReport
+    runtime: str = "onnxruntime"
+    divergence: Divergence | None = None
+
+    @property
+    def max_abs_diff(self) -> float:
+        """Largest absolute difference over all outputs."""
+        return max(o.max_abs_diff for o in self.outputs)
+
+    @property
+    def argmax_agreement(self) -> float | None:
+        """Lowest argmax agreement over the classifier-shaped outputs (None if there are none)."""
+        values = [o.argmax_agreement for o in self.outputs if o.argmax_agreement is not None]
+        return min(values) if values else None
+
+    @property
+    def bit_exact(self) -> bool:
+        """True when every output matched exactly."""
+        return self.max_abs_diff == 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every output is within its derived tolerance."""
+        return all(o.ok for o in self.outputs)
+
+    def __str__(self) -> str:
+        header = ("output", "shape", "max |diff|", "steps", "allowed", "argmax agree", "ok")
+        rows = [header]
+        for o in self.outputs:
+            steps = "-" if o.max_diff_steps is None else f"{o.max_diff_steps:.2f}"
+            allowed = f"{o.tolerance_steps} steps" if o.tolerance_steps is not None else f"{o.tolerance:.3g}"
+            agree = "-" if o.argmax_agreement is None else f"{100 * o.argmax_agreement:.1f}%"
+            if o.argmax_flips_within_tolerance:
+                agree += f" ({o.argmax_flips_within_tolerance} near-tie flip(s))"
+            rows.append((o.name, "x".join(map(str, o.shape)), f"{o.max_abs_diff:.3g}", steps, allowed, agree,
+                         str(o.ok)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        where = "" if self.runtime == "onnxruntime" else f" in {self.runtime}"
+        title = (f"ONNX verification of {self.path.name}{where}: {self.num_batches} batch(es), "
+                 f"{self.num_samples} sample(s)")
+        lines = [f"{title}, ok={self.ok}"]
+        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        lines += [f"  tolerance of {o.name} ({o.rule}): {o.reason}" for o in self.outputs]
+        if self.divergence is not None:
+            lines.append(f"  {self.divergence}")
+        return "\n".join(lines) + "\n" + str(self.fusion)
+
+
+def _batches(inputs: object) -> list[tuple[torch.Tensor, ...]]:
+    """A tensor or a tuple of tensors is one batch; any other iterable yields batches (tensors or tuples)."""
+    if isinstance(inputs, torch.Tensor) or (
+        isinstance(inputs, tuple) and inputs and all(isinstance(t, torch.Tensor) for t in inputs)
+    ):
+        batches = [inputs if isinstance(inputs, tuple) else (inputs,)]
+    elif not isinstance(inputs, Iterable) or isinstance(inputs, (str, bytes)):
+        raise TypeError(
+            f"inputs must be a tensor, a tuple of tensors or an iterable of batches, got {type(inputs).__name__}"
+        )
+    else:
+        batches = []
+        for i, batch in enumerate(inputs):
+            if isinstance(batch, torch.Tensor):
+                batch = (batch,)
+            if not isinstance(batch, (tuple, list)) or not batch or not all(isinstance(t, torch.Tensor)
+                                                                            for t in batch):
+                raise TypeError(f"batch {i} must be a tensor or a tuple of tensors, got {type(batch).__name__}")
+            batches.append(tuple(batch))
+    if not batches:
+        raise ValueError("inputs yielded no batches; pass at least one input tensor")
+    return batches
+
+
+def _refuse_empty(batches: list[tuple[torch.Tensor, ...]]) -> None:
+    """After the per-input checks (which name the input): a batch of 0 samples left by a model without specs."""
+    for i, batch in enumerate(batches):
+        if batch[0].dim() and batch[0].shape[0] == 0:
+            raise ValueError(f"batch {i} has 0 samples (first input shape {tuple(batch[0].shape)}); verifying "
+                             "nothing proves nothing: pass batches with at least one sample")
+
+
+def _output_steps(model: onnx.ModelProto) -> dict[str, OutputStep]:
+    """(scale, axis, dtype) of the DequantizeLinear producing each graph output, seen through value-preserving ops.
+
+    A per-channel scale is only used when the DequantizeLinear produces the output directly (a reshape would
+    move its axis).
+    """
+    graph = OnnxGraph(model)
+    steps: dict[str, OutputStep] = {}
+    for output in model.graph.output:
+        node, moved = graph.producer(output.name), False
+        while node is not None and node.op_type in _VALUE_PRESERVING:
+            node, moved = graph.producer(node.input[0]), True
+        view = QdqView.of(node, graph)
+        if view is None or not view.is_dequantize or view.scale is None:
+            continue
+        scale = view.scale.astype(np.float64)
+        dtype = view.quant_type if view.quant_type is not None else onnx.TensorProto.UINT8
+        if scale.size == 1 or not moved:
+            steps[output.name] = OutputStep(scale, view.axis, dtype)
+    return steps
+
+
+def _feed(names: Sequence[str], batch: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
+    return {name: t.detach().cpu().numpy() for name, t in zip(names, batch, strict=True)}
+
+
+def _run_eager(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
+    with torch.no_grad():
+        outputs = model(*batch)
+    return [t.detach().cpu().numpy() for t in torch.utils._pytree.tree_leaves(outputs)]
+
+
+def _allowed(tolerance: OutputTolerance | None, step: OutputStep | None, ref_range: float) -> tuple[float, float]:
+    """(allowed steps or inf, allowed absolute difference) of one output."""
+    if tolerance is None:  # no derivation (an output onnxruntime's optimized graph does not name)
+        return float("inf"), 0.02 * ref_range + FLOAT_ABSOLUTE_TOLERANCE
+    if step is not None and tolerance.steps is not None and tolerance.rule in ("exact", "steps"):
+        steps = tolerance.steps + _STEP_ROUNDING
+        return steps, steps * float(np.max(step.scale))
+    if tolerance.rule == "quantizer steps":
+        return float("inf"), (tolerance.steps + _STEP_ROUNDING) * tolerance.source_step + FLOAT_ABSOLUTE_TOLERANCE
+    if tolerance.rule == "exact" or tolerance.relative is None:  # "int8 compute": per element (_int8_allowed)
+        return float("inf"), 0.0
+    return float("inf"), tolerance.relative * ref_range + FLOAT_ABSOLUTE_TOLERANCE
+
+
+def _int8_allowed(tolerance: OutputTolerance, step: OutputStep | None, units: list[np.ndarray],
+                  refs: list[np.ndarray], ref_range: float) -> list[np.ndarray]:
+    """Per element: ``steps · u + rounds · (quantizer step) + FLOAT_PRECISION · range`` (``"int8 compute"`` rule)."""
+    own = float(np.max(step.scale)) if step is not None else (tolerance.source_step or 0.0)
+    slack = tolerance.rounds * own + FLOAT_PRECISION * ref_range + FLOAT_ABSOLUTE_TOLERANCE
+    allowed = []
+    for unit, ref in zip(units, refs, strict=True):
+        unit = unit if unit.shape == ref.shape else np.full(ref.shape, float(unit.max(initial=0.0)))
+        allowed.append((tolerance.steps + _STEP_ROUNDING) * unit + slack)
+    return allowed
+
+
+def _compare(name: str, refs: list[np.ndarray], gots: list[np.ndarray], step: OutputStep | None,
+             tolerance: OutputTolerance | None = None, units: list[np.ndarray] | None = None) -> OutputComparison:
+    for ref, got in zip(refs, gots, strict=True):
+        if ref.shape != got.shape:
+            raise ValueError(f"output {name!r}: the runtime's shape {got.shape} differs from eager shape {ref.shape}")
+    diffs = [np.abs(got.astype(np.float64) - ref.astype(np.float64)) for ref, got in zip(refs, gots, strict=True)]
+    nonempty = [(ref, got, diff) for ref, got, diff in zip(refs, gots, diffs, strict=True) if ref.size]
+    max_diff = max((float(diff.max()) for *_, diff in nonempty), default=0.0)
+    lo = min((float(ref.min()) for ref, *_ in nonempty), default=0.0)
+    ref_range = max((float(ref.max()) for ref, *_ in nonempty), default=0.0) - lo
+    allowed_steps, tol = _allowed(tolerance, step, ref_range)
+    max_steps = None
+    if step is not None:
+        own = [diff / element_steps(step, ref, got) for ref, got, diff in nonempty]
+        max_steps = max((float(d.max()) for d in own), default=0.0)
+    if tolerance is not None and tolerance.rule == "int8 compute" and units is not None:
+        allowed = _int8_allowed(tolerance, step, units, refs, ref_range)
+        ok = all(bool((diff <= a).all()) for diff, a in zip(diffs, allowed, strict=True))
+        tol = max((float(a.max()) for a in allowed if a.size), default=0.0)
+    elif step is not None and np.isfinite(allowed_steps):
+        ok = max_steps <= allowed_steps
+    else:
+        ok = max_diff <= tol
+    agreement, near_tie_flips = None, 0
+    if refs[0].ndim == 2 and refs[0].shape[1] > 1:  # classifier-shaped [N, C]
+        rows = sum(ref.shape[0] for ref in refs)
+        flips = [ref.argmax(1) != got.argmax(1) for ref, got in zip(refs, gots, strict=True)]
+        agreement = 1.0 - sum(int(f.sum()) for f in flips) / rows if rows else None
+        margins = [np.diff(np.sort(ref, axis=1)[:, -2:], axis=1)[:, 0] for ref in refs]  # eager top-1 minus top-2
+        near_tie_flips = sum(int((f & (m <= 2 * tol)).sum()) for f, m in zip(flips, margins, strict=True))
+        decisive_flips = sum(int(f.sum()) for f in flips) - near_tie_flips
+        ok = ok and decisive_flips == 0
+    step_value = float(step.scale.reshape(-1)[0]) if step is not None and step.scale.size == 1 else None
+    if step is not None and step.is_float8:
+        step_value = None  # float8 steps vary with the value
+    rule = tolerance.rule if tolerance is not None else "underived"
+    reason = tolerance.reason if tolerance is not None else "no derivation for this output: 0.02 of range"
+    tolerance_steps = tolerance.steps if tolerance is not None and rule in ("exact", "steps") and step else None
+    return OutputComparison(name, tuple(refs[0].shape), max_diff, step_value, max_steps, ref_range, agreement,
+                            near_tie_flips, ok, rule, tolerance_steps, tol, reason)
+
+
+@public_api
+def verify_onnx(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    inputs: torch.Tensor | tuple[torch.Tensor, ...] | Iterable[torch.Tensor | Sequence[torch.Tensor]],
+    *,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    runtime: str = "onnxruntime",
+    localize: bool = True,
+) -> VerificationReport:
+    """Compare a runtime on ``path`` with the eager ``model`` on the same inputs.
+
+    Args:
+        model: The converted model that was exported (run in eager, in ``torch.no_grad``).
+        path: The ONNX file written by :func:`coreai_opt.onnx.export_onnx`.
+        inputs: One batch (a tensor, or a tuple of tensors with one per model input) or an iterable of batches
+            (a list, a generator, a DataLoader yielding tensors or tuples of tensors).
+        providers: onnxruntime execution providers.
+        runtime: ``"onnxruntime"`` (default) or ``"openvino"`` (CPU, float32 inference precision; needs the
+            ``openvino`` extra). The tolerances are derived from onnxruntime's kernels either way.
+        localize: When an output fails (onnxruntime only), find the first diverging quantizer or layer.
+
+    Returns:
+        A :class:`VerificationReport`: per-output max abs diff, diff in output quantization steps, the derived
+        tolerance with its rule and reason, argmax agreement for ``[N, C]`` outputs, ``ok``, the first divergence
+        when not ok, and the fusion report.
+
+    Raises:
+        FileNotFoundError: No file at ``path``.
+        TypeError / ValueError: Inputs of the wrong kind or count, no batches or no samples, or output shapes that
+            disagree.
+        ModuleNotFoundError: ``runtime="openvino"`` without OpenVINO installed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"verify_onnx: no ONNX file at {path}; pass the path export_onnx returned")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the converted torch.nn.Module that was exported, got {type(model).__name__}")
+    batches = _batches(inputs)
+    check_verify_batches(model, batches)
+    _refuse_empty(batches)
+    graph_model = onnx.load(str(path), load_external_data=False)  # released before the eager forwards
+    file_inputs = graph_input_names(graph_model.graph)
+    steps = _output_steps(graph_model)
+    del graph_model
+    for i, batch in enumerate(batches):  # before the eager forward, which would fail with torch's own TypeError
+        if len(batch) != len(file_inputs):
+            raise ValueError(f"batch {i} has {len(batch)} tensor(s) but the ONNX model takes {len(file_inputs)} "
+                             f"({file_inputs})")
+    # Every eager reference first, then the runtime: the eager forward's temporaries (a fake-quantized weight at
+    # a time) and the session's weights (its integers and prepacked copies) are never resident together.
+    eager_model = eager_order(model)
+    eager = [_run_eager(eager_model, batch) for batch in batches]
+    del eager_model
+    runner = open_runner(path, runtime, providers)
+    input_names, output_names = runner.input_names, runner.output_names
+    refs: list[list[np.ndarray]] = [[] for _ in output_names]
+    gots: list[list[np.ndarray]] = [[] for _ in output_names]
+    for i, batch in enumerate(batches):
+        onnx_out = runner.run(_feed(input_names, batch))
+        if len(eager[i]) != len(onnx_out):
+            raise ValueError(f"the eager model returned {len(eager[i])} output(s), the ONNX model {len(onnx_out)}")
+        for k, (ref, got) in enumerate(zip(eager[i], onnx_out, strict=True)):
+            refs[k].append(ref)
+            gots[k].append(got)
+    del runner, eager  # the sessions below load the file again: never hold two copies of its weights at once
+    tolerances = derive_tolerances(optimized_model(path, "all"), set(steps))
+    layers = {name: t.int8_layer for name, t in tolerances.items() if t.rule == "int8 compute" and t.int8_layer}
+    units = int8_step_units(path, layers, [_feed(input_names, b) for b in batches], providers) if layers else {}
+    outputs = tuple(
+        _compare(name, refs[k], gots[k], steps.get(name), tolerances.get(name), units.get(name))
+        for k, name in enumerate(output_names)
+    )
+    num_samples = sum(int(b[0].shape[0]) if b[0].dim() else 1 for b in batches)
+    divergence = None
+    if localize and runtime == "onnxruntime" and not all(o.ok for o in outputs):
+        divergence = localize_divergence(model, path, batches[0], providers=providers)
+    return VerificationReport(path, len(batches), num_samples, outputs, fusion_report(path), runtime, divergence)
