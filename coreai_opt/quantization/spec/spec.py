@@ -115,28 +115,21 @@ class QuantizationSpec(BaseModel):
     def _build_granularity(cls, value: Any) -> Granularity:
         return granularity_from_dict(value)
 
-    @field_validator("range_calculator", "qparams_calculator", "fake_quantize", mode="before")
+    @field_validator("range_calculator", "qparams_calculator", "fake_quantize", "weight_rounding", mode="before")
     @classmethod
-    def _check_registry_key(cls, value: Any, info: ValidationInfo) -> str:
+    def _check_registry_key(cls, value: Any, info: ValidationInfo) -> str | None:
+        """A key of the field's registry, or a class of it (normalised to its key); ``weight_rounding`` may be None."""
         field = str(info.field_name)
+        optional = field == "weight_rounding"
+        if value is None and optional:
+            return None
         registry = family(field)
         if isinstance(value, type):
             return registry.key_of(registry.resolve(value))
         if not isinstance(value, str):
-            raise TypeError(f"{field} must be a registry key (str) or a registered class, got {value!r}")
-        registry.get_class(value)  # raises listing the known keys
-        return value
-
-    @field_validator("weight_rounding", mode="before")
-    @classmethod
-    def _check_weight_rounding(cls, value: Any) -> str | None:
-        if value is None:
-            return None
-        registry = family("weight_rounding")
-        if isinstance(value, type):
-            return registry.key_of(registry.resolve(value))
-        if not isinstance(value, str):
-            raise TypeError(f"weight_rounding must be a registry key (str), a registered class or None, got {value!r}")
+            accepted = "a registry key (str), a registered class or None" if optional else \
+                "a registry key (str) or a registered class"
+            raise TypeError(f"{field} must be {accepted}, got {value!r}")
         registry.get_class(value)  # raises listing the known keys
         return value
 
