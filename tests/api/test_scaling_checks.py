@@ -32,3 +32,12 @@ def test_token_sample_keeps_exactly_max_tokens_rows_as_copies() -> None:
     first.zero_()  # the sample is a copy, not a view of the caller's tensor
     kept = torch.cat(samples["x"])
     assert kept.shape == (8, 2) and kept[:6].flatten().tolist() == list(range(12)) and (kept[6:] == -1).all()
+
+
+def test_sites_table_right_aligns_only_the_alpha_column_and_keeps_every_row():
+    from coreai_opt.api.algorithms.scaling_checks import sites_table
+
+    text = sites_table(["input of", "kind", "α", "applied"], [["`fc1`", "layer_norm", "0.5", "yes"],
+                                                            ["`fc2`", "linear", "—", "no"]])
+    assert text.split("\n") == ["| input of | kind | α | applied |", "|---|---|---:|---|",
+                                "| `fc1` | layer_norm | 0.5 | yes |", "| `fc2` | linear | — | no |"]

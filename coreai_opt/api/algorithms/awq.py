@@ -35,7 +35,12 @@ from typing import Any
 import torch
 from torch import Tensor, fx, nn
 
-from coreai_opt.api.algorithms.scaling_checks import check_float_outputs_kept, keep_token_rows
+from coreai_opt.api.algorithms.scaling_checks import (
+    check_float_outputs_kept,
+    keep_token_rows,
+    site_cells,
+    sites_table,
+)
 from coreai_opt.api.internals.batches import as_call
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
@@ -79,12 +84,9 @@ class AwqResult:
     @public_api
     def table(self) -> str:
         """Markdown table of the sites: chosen ``α`` and the relative output error before → after."""
-        lines = ["| input of | kind | α | relative error before → after |", "|---|---|---:|---|"]
-        for r in self.sites:
-            consumers = ", ".join(c.removesuffix(".weight") for c in r.site.consumers)
-            alpha = "—" if r.alpha is None else f"{r.alpha:g}"
-            lines.append(f"| `{consumers}` | {r.site.kind} | {alpha} | {r.error_before:.3g} → {r.error_after:.3g} |")
-        return "\n".join(lines)
+        return sites_table(["input of", "kind", "α", "relative error before → after"],
+                           ([*site_cells(r.site, r.alpha), f"{r.error_before:.3g} → {r.error_after:.3g}"]
+                            for r in self.sites))
 
 
 @public_api

@@ -1,4 +1,4 @@
-"""What SmoothQuant and AWQ share: a bounded token sample per site and the check that scaling kept the float model.
+"""What SmoothQuant and AWQ share: a token sample per site, the check that scaling kept the float model, the table.
 
 Both rewrite ``X @ W^T`` as ``(X / s) @ (s * W)^T``, which is exact in real arithmetic; the check after the
 rewrite catches a site that was wrongly judged foldable (the float model would change, silently).
@@ -6,12 +6,28 @@ rewrite catches a site that was wrongly judged foldable (the float model would c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["keep_token_rows", "check_float_outputs_kept"]
+from coreai_opt.passes.smooth_linear_inputs import SmoothingSite
+
+__all__ = ["keep_token_rows", "check_float_outputs_kept", "site_cells", "sites_table"]
+
+
+def site_cells(site: SmoothingSite, alpha: float | None) -> list[str]:
+    """The first cells of a site's row: the linears it feeds (``input of``), its kind and ``α`` (``—``: unscaled)."""
+    consumers = ", ".join(c.removesuffix(".weight") for c in site.consumers)
+    return [f"`{consumers}`", site.kind, "—" if alpha is None else f"{alpha:g}"]
+
+
+def sites_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A markdown table of per-site rows, the ``α`` column right-aligned."""
+    rule = ["---:" if column == "α" else "---" for column in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(rule) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def keep_token_rows(samples: dict[str, list[Tensor]], name: str, rows: Tensor, max_tokens: int) -> None:

@@ -40,7 +40,12 @@ import torch
 from torch import Tensor, fx, nn
 
 from coreai_opt.api.algorithms.activation_stats import ChannelAbsMax
-from coreai_opt.api.algorithms.scaling_checks import check_float_outputs_kept, keep_token_rows
+from coreai_opt.api.algorithms.scaling_checks import (
+    check_float_outputs_kept,
+    keep_token_rows,
+    site_cells,
+    sites_table,
+)
 from coreai_opt.api.internals.batches import as_call
 from coreai_opt.error_boundary import public_api
 from coreai_opt.graph.graph_attrs import attr_value
@@ -84,14 +89,13 @@ class SmoothQuantResult:
     @public_api
     def table(self) -> str:
         """Markdown table of the sites."""
-        lines = ["| input of | kind | foldable | α | applied | outlier ratio before → after |",
-                 "|---|---|---|---:|---|---|"]
+        columns = ["input of", "kind", "foldable", "α", "applied", "outlier ratio before → after"]
+        rows = []
         for r in self.sites:
-            consumers = ", ".join(c.removesuffix(".weight") for c in r.site.consumers)
-            alpha = "—" if r.alpha is None else f"{r.alpha:g}"
-            lines.append(f"| `{consumers}` | {r.site.kind} | {'yes' if r.site.foldable else 'no'} | {alpha} | "
-                         f"{'yes' if r.applied else 'no'} | {r.act_ratio_before:.1f} → {r.act_ratio_after:.1f} |")
-        return "\n".join(lines)
+            consumers, kind, alpha = site_cells(r.site, r.alpha)
+            rows.append([consumers, kind, "yes" if r.site.foldable else "no", alpha, "yes" if r.applied else "no",
+                         f"{r.act_ratio_before:.1f} → {r.act_ratio_after:.1f}"])
+        return sites_table(columns, rows)
 
 
 @public_api
