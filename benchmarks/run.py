@@ -1,109 +1,71 @@
-"""Run the benchmark sections and write benchmarks/RESULTS.md.
+"""The one entry point of the benchmarks: ``python -m benchmarks.run NAME [options]``, NAME picks a study.
 
 Usage::
 
-    python -m benchmarks.run                      # full run (quiet machine, about half an hour on 2 cores)
-    python -m benchmarks.run --quick              # ≤ 10 min on 2 cores: smaller batches, fewer repeats and rows
-    python -m benchmarks.run --only speed accuracy --output /tmp/R.md
-    python -m benchmarks.run --quick --only accuracy --tiny --output /tmp/R.md   # smoke test (tests/)
-    python -m benchmarks.run --only corpus --no-latency --output /tmp/R.md     # the 40-model corpus, untimed
-    python -m benchmarks.run --only auto --no-latency --output /tmp/R.md       # co.auto_quantize, accuracy only
+    python -m benchmarks.run --list                                  # the studies, what each measures, how long
+    python -m benchmarks.run comparison [--quick] [--only speed accuracy] [--output /tmp/R.md]
+    python -m benchmarks.run comparison --quick --only accuracy --tiny --output /tmp/R.md   # smoke test (tests/)
+    python -m benchmarks.run corpus --no-latency                     # the 40-model corpus, untimed
+    python -m benchmarks.run auto --no-latency                       # co.auto_quantize, accuracy only
+    python -m benchmarks.run minilm w8a8 --quick                     # MiniLM W8A8; parts: see `minilm --help`
+    python -m benchmarks.run matmul_nbits --quick
+    python -m benchmarks.run memory --sizes 0.2 --presets w8a8 w4
+    python -m benchmarks.run NAME --help                             # a study's options
+
+Each study lives in ``benchmarks/<NAME>/`` and writes one results file there, ``benchmarks/<NAME>/RESULTS.md``
+(``--output`` writes elsewhere). A new study is a package ``benchmarks/<name>/`` whose ``__init__`` defines
+``STUDY`` (:class:`benchmarks.common.study.Study`), plus one line in :data:`STUDIES`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import logging
 import shlex
 import sys
-import tempfile
-import time
-import warnings
-from collections.abc import Callable
-from pathlib import Path
 
-import torch
+from benchmarks import auto, comparison, corpus, matmul_nbits, memory, minilm
+from benchmarks.common.study import Study
 
-from benchmarks import (
-    accuracy,
-    auto_quantize_section,
-    corpus,
-    fidelity,
-    file_size,
-    minilm,
-    pipeline_cost,
-    report,
-    speed,
-)
-from benchmarks.results import SectionResult, attempt
-from benchmarks.settings import Settings
-from benchmarks.torchvision_ops import declare_torchvision_ops
+__all__ = ["STUDIES", "main", "study_list", "unknown_study_message"]
+
+#: The study registry, NAME -> Study; the order of ``--list``.
+STUDIES: dict[str, Study] = {study.name: study for study in (
+    comparison.STUDY,
+    minilm.STUDY,
+    matmul_nbits.STUDY,
+    corpus.STUDY,
+    auto.STUDY,
+    memory.STUDY,
+)}
 
 
-def _minilm_section(settings: Settings) -> SectionResult:
-    """Issue 8: the pretrained MiniLM sentence encoder under W8A8 (its own markdown tables)."""
-    text = minilm.run(settings.quick or settings.tiny)
-    heading, _, body = text.partition("\n")
-    title = heading.removeprefix("## ").strip() if heading.startswith("## ") else "MiniLM W8A8"
-    return SectionResult("minilm", title, body=body if heading.startswith("## ") else text)
+def study_list() -> str:
+    """One paragraph per study: name, what it measures, how long it takes."""
+    return "\n".join(f"{s.name}\n    measures: {s.measures}\n    takes: {s.duration}" for s in STUDIES.values())
 
 
-SECTIONS: dict[str, Callable[[Settings], SectionResult]] = {
-    "accuracy": accuracy.run,
-    "speed": speed.run,
-    "cost": pipeline_cost.run,
-    "size": file_size.run,
-    "fidelity": fidelity.run,
-    "minilm": _minilm_section,
-    "corpus": corpus.run,
-    "auto": auto_quantize_section.run,
-}
-DEFAULT_OUTPUT = Path(__file__).with_name("RESULTS.md")
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="≤ 10 min on 2 cores: fewer rows, batches, repeats")
-    parser.add_argument("--tiny", action="store_true", help="one tiny case per section (used by the smoke test)")
-    parser.add_argument("--only", nargs="+", choices=sorted(SECTIONS), metavar="SECTION",
-                        help=f"run only these sections ({', '.join(SECTIONS)})")
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="where to write the markdown report")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep ONNX files here (default: a temp dir)")
-    parser.add_argument("--no-latency", action="store_true",
-                        help="skip the latency measurements of the corpus and auto sections (e.g. on a shared machine)")
-    return parser.parse_args(argv)
-
-
-def _quiet() -> None:
-    warnings.filterwarnings("ignore")
-    for name in ("torch", "torch.onnx", "torch._dynamo", "torch.export", "nncf", "onnxruntime"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+def unknown_study_message(name: str) -> str:
+    """The error for a NAME that is no study: the known names and how to see them."""
+    return (f"unknown study {name!r}; the studies are: {', '.join(STUDIES)} "
+            "(python -m benchmarks.run --list says what each measures)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    _quiet()
-    declare_torchvision_ops()  # before anything imports transformers / timm (see benchmarks/torchvision_ops.py)
-    started, t0 = dt.datetime.now(dt.timezone.utc), time.perf_counter()
-    command = "python -m benchmarks.run " + shlex.join(sys.argv[1:] if argv is None else argv)
-    with tempfile.TemporaryDirectory(prefix="coreai_bench_") as tmp:
-        settings = Settings(quick=args.quick or args.tiny, tiny=args.tiny, work_dir=args.work_dir or Path(tmp),
-                            torch_threads=1 if args.tiny else 2, latency=not args.no_latency)
-        torch.set_num_threads(settings.torch_threads)
-        results: list[SectionResult] = []
-        for key in [k for k in SECTIONS if not args.only or k in args.only]:
-            print(f"[benchmarks] {key} ...", flush=True)
-            start = time.perf_counter()
-            out = attempt(lambda key=key: SECTIONS[key](settings))
-            section = out.value if out.ok else SectionResult(key, key, errors=[f"section failed: {out.error}"])
-            section.seconds = time.perf_counter() - start
-            results.append(section)
-            print(f"[benchmarks] {key} done in {section.seconds:.0f} s", flush=True)
-            report.write(args.output, results, command, started, time.perf_counter() - t0)
-    report.write(args.output, results, command, started, time.perf_counter() - t0)
-    print(f"[benchmarks] wrote {args.output} ({(time.perf_counter() - t0) / 60:.1f} min)")
-    return 0
+    """Run the study named by ``argv[0]`` with the rest of ``argv`` as its options; 0 on success, 2 on a usage error."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    usage = "python -m benchmarks.run NAME [options] | --list"
+    if not argv or argv[0] in ("-h", "--help", "--list"):
+        print((__doc__ if argv[:1] != ["--list"] else "") + "\nStudies:\n" + study_list())
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in STUDIES:
+        argparse.ArgumentParser(prog="python -m benchmarks.run", usage=usage).error(unknown_study_message(name))
+    study = STUDIES[name]
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.run {name}", description=study.measures)
+    study.configure(parser)
+    args = parser.parse_args(argv[1:])
+    args.command = "python -m benchmarks.run " + shlex.join(argv)
+    return study.run(args)
 
 
 if __name__ == "__main__":

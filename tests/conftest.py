@@ -9,14 +9,14 @@ same thread count. Nothing shares state across workers: files go to ``tmp_path``
 database), and tests/memory measures the RSS of its own subprocess. ``-n 0`` runs in-process (pdb, ``-s``).
 
 transformers and timm import torchvision, whose CUDA-only wheel cannot load its C++ ops beside the CPU torch;
-declaring the two op schemas it needs first lets both import (see benchmarks/torchvision_ops.py).
+declaring the two op schemas it needs first lets both import (see benchmarks/common/torchvision_ops.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.torchvision_ops import declare_torchvision_ops
+from benchmarks.common.torchvision_ops import declare_torchvision_ops
 
 torch.set_num_threads(1)
 declare_torchvision_ops()

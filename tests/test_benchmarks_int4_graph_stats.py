@@ -34,7 +34,7 @@ def _model(path: Path) -> Path:
 
 def test_graph_stats_counts_the_int4_matmul_fused_by_onnxruntime_and_the_float_linear(tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime")
-    from benchmarks.int4_graph_stats import file_bytes, graph_stats
+    from benchmarks.minilm.int4_graph_stats import file_bytes, graph_stats
 
     path = _model(tmp_path / "m.onnx")
     stats = graph_stats(path)

@@ -14,7 +14,8 @@ def test_benchmark_script_runs_tiny_accuracy_case(tmp_path: Path) -> None:
     from benchmarks import run
 
     output = tmp_path / "RESULTS.md"
-    argv = ["--quick", "--only", "accuracy", "--tiny", "--output", str(output), "--work-dir", str(tmp_path / "work")]
+    argv = ["comparison", "--quick", "--only", "accuracy", "--tiny", "--output", str(output),
+            "--work-dir", str(tmp_path / "work")]
     assert run.main(argv) == 0
     text = output.read_text()
     assert "## Where we lose" in text
@@ -23,3 +24,4 @@ def test_benchmark_script_runs_tiny_accuracy_case(tmp_path: Path) -> None:
     assert "| ORT quantize_static (MinMax) |" in text
     assert "section failed" not in text
     assert "CPU:" in text and "onnxruntime" in text
+    assert "- Command: `python -m benchmarks.run comparison --quick --only accuracy --tiny" in text

@@ -114,7 +114,9 @@ def test_readme_presets_table_matches_describe():
 
 def test_readme_links_exist():
     readme = _readme()
-    for target in ("benchmarks/RESULTS.md", "docs/ARCHITECTURE.md", "examples/quickstart.py"):
+    targets = ("benchmarks/README.md", "benchmarks/comparison/RESULTS.md", "docs/ARCHITECTURE.md",
+               "examples/quickstart.py")
+    for target in targets:
         assert target in readme
         assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
 

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import torch
 
-from benchmarks.corpus import export_ratio
-from benchmarks.corpus_models import CORPUS, tokens
-from benchmarks.corpus_runner import CorpusRow, decisive_flips, sqnr_db, top1_agreement
-from benchmarks.torchvision_ops import declare_torchvision_ops
+from benchmarks.common.torchvision_ops import declare_torchvision_ops
+from benchmarks.corpus.models import CORPUS, tokens
+from benchmarks.corpus.runner import CorpusRow, decisive_flips, sqnr_db, top1_agreement
+from benchmarks.corpus.section import export_ratio
 
 
 def test_sqnr_db_is_signal_over_noise_power_over_all_batches():

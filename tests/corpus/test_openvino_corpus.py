@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import coreai_opt
-from benchmarks.corpus_models import CORPUS
-from benchmarks.corpus_runner import RunOptions
+from benchmarks.corpus.models import CORPUS
+from benchmarks.corpus.runner import RunOptions
 
 pytest.importorskip("openvino")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.corpus_models import CORPUS
-from benchmarks.corpus_runner import CorpusRow, run_corpus_model
+from benchmarks.corpus.models import CORPUS
+from benchmarks.corpus.runner import CorpusRow, run_corpus_model
 
 #: CNN, encoder, decoder, ViT: the corpus models of the default run.
 DEFAULT_MODELS = ("hf-convnext", "hf-distilbert", "hf-opt", "hf-deit")

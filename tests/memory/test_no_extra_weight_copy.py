@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent('''
     import torch
     from torch import nn
     import coreai_opt as co
-    from benchmarks.pipeline_memory import StageSampler, linears
+    from benchmarks.memory.pipeline_memory import StageSampler, linears
 
     def pipeline(model, x, path, sampler, report):
         config = co.QuantizerConfig.presets.w8a8()

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from benchmarks import minilm_harness as H
+from benchmarks.minilm import harness as H
 
 
 @pytest.fixture(scope="session")

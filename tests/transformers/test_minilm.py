@@ -6,9 +6,10 @@ import onnx
 import pytest
 import torch
 
-from benchmarks import minilm_harness as H
-from benchmarks import minilm_ours, minilm_peers
-from benchmarks.minilm import w8a8_dynamic_config
+from benchmarks.minilm import harness as H
+from benchmarks.minilm import ours as minilm_ours
+from benchmarks.minilm import peers as minilm_peers
+from benchmarks.minilm.w8a8 import w8a8_dynamic_config
 from coreai_opt.api.algorithms.smooth_quant import smooth_quant
 
 pytestmark = pytest.mark.slow

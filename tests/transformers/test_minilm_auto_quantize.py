@@ -8,12 +8,12 @@ import warnings
 import pytest
 
 import coreai_opt as co
-from benchmarks import minilm_harness as H
-from benchmarks import minilm_ours
+from benchmarks.minilm import harness as H
+from benchmarks.minilm import ours as minilm_ours
 
 pytestmark = pytest.mark.slow
 
-NNCF_MEAN_COS = 0.9972  # NNCF transformer mode on the same sentences (benchmarks/RESULTS.md)
+NNCF_MEAN_COS = 0.9972  # NNCF transformer mode on the same sentences (benchmarks/minilm/RESULTS.md)
 
 
 def test_auto_quantize_minilm_defaults_beat_every_peer_within_ten_plain_pipelines(setup, tmp_path) -> None:

@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from benchmarks import minilm_ours
+from benchmarks.minilm import ours as minilm_ours
 from coreai_opt.api.algorithms.calibration_search import search_calibration
 from coreai_opt.api.algorithms.sensitivity import keep_sensitive, sensitivity
 from coreai_opt.api.algorithms.smooth_quant import smooth_quant

@@ -58,7 +58,7 @@ passes; under this rule (5 models; mobilenet_v2's classifier has ``K = 320``, se
 % of the range against a bound of at most 1.2 %. Deep stacks raise ``c`` by one per layer. Where it does not hold:
 wider layers. The test decoder at dim 512 (K = 512 / 2048, 2 batches): codes still differ by at most one step, but
 up to 397 of 2048 codes flip in a row and the layer outputs differ by up to 15 ``u`` (``c`` = 3 to 4) / 34 ``u``
-(``c`` = 8); the benchmark's 4-block dim-512 decoder (``benchmarks/matmul_nbits_compute.py``) at w8 exceeded the
+(``c`` = 8); the benchmark's 4-block dim-512 decoder (``benchmarks/matmul_nbits/compute_modes.py``) at w8 exceeded the
 per-element bound (max |diff| 0.0276, largest allowed 0.0281). The flip count per row grows with ``K``; the rule is
 therefore applied only while every int8-compute layer on the path has ``K ≤`` :data:`INT8_COMPUTE_DERIVED_MAX_K`
 (256, where it was measured to hold: 7.7 ``u`` against ``c = 8`` at the tightest layer); beyond it the output falls

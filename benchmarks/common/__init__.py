@@ -1,0 +1,1 @@
+"""What every study shares: settings, result containers and pages, ONNX sessions, latency, peers, our pipeline."""
