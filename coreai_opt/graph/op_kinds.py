@@ -192,6 +192,32 @@ for _kind, _layout, _modules, _functions, _methods in _ROWS:
         _BY_METHOD[_name] = _entry
 
 _OTHER = OpEntry(OpKind.OTHER, ArgLayout(data=()))
+_MOVE = OpEntry(OpKind.MOVE, _UNARY)
+#: Padding ops: a mover when they pad spatial axes with zeros (see :func:`_zero_spatial_pad`), else ``OTHER``.
+_PADS: frozenset[Any] = frozenset({F.pad, aten.pad, aten.constant_pad_nd})
+
+
+def _zero_spatial_pad(node: Node) -> bool:
+    """True for ``pad(x, pads, "constant", 0)`` that pads only axes 2.. of a tensor of known rank.
+
+    Such a pad moves values without computing any: 0 is exactly on every activation grid (the qparams always
+    include it), so ``pad(fq(x), 0) == fq(pad(x, 0))`` and the padded tensor can share its input's quantizer. A
+    convolution's own zero padding is the same operation, which is what lets the exporter fold the pad into it.
+    """
+    def arg(index: int, name: str, default: Any) -> Any:
+        return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+    constant_pad_nd = getattr(node.target, "overloadpacket", node.target) is aten.constant_pad_nd
+    mode = "constant" if constant_pad_nd else arg(2, "mode", "constant")
+    value = arg(2, "value", 0) if constant_pad_nd else arg(3, "value", None)
+    pads, source = arg(1, "pad", None), arg(0, "input", None)
+    if mode != "constant" or value not in (None, 0, 0.0) or not isinstance(source, Node):
+        return False
+    if not isinstance(pads, (list, tuple)) or len(pads) % 2 or not all(isinstance(p, int) and p >= 0 for p in pads):
+        return False
+    example = source.meta.get("val", source.meta.get("tensor_meta"))
+    rank = len(example.shape) if hasattr(example, "shape") else None
+    return rank is not None and len(pads) // 2 <= rank - 2
 
 
 def lookup_op(node: Node, gm: GraphModule) -> OpEntry:
@@ -227,6 +253,8 @@ def lookup_op(node: Node, gm: GraphModule) -> OpEntry:
         transposed = node.args[6] if len(node.args) > 6 else node.kwargs.get("transposed", False)
         return OpEntry(OpKind.CONV_TRANSPOSE if transposed else OpKind.CONV, _WEIGHTED)
     try:
+        if target in _PADS:
+            return _MOVE if _zero_spatial_pad(node) else _OTHER
         return _BY_FUNCTION.get(target, _OTHER)
     except TypeError:  # unhashable target
         return _OTHER

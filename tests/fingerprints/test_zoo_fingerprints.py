@@ -1,6 +1,8 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
-``zoo_fingerprints.json`` was re-recorded after issue 31's move of the modules into the folders of their roles:
+``zoo_fingerprints.json`` was last re-recorded when the rule ``fold_pads_into_convs`` joined the post-passes: the
+graph of every one of the 68 cases was unchanged (no zoo model pads explicitly), only the rewrite report in the
+model metadata lists the new rule. Before that it was re-recorded after issue 31's move of the modules into the folders of their roles:
 every one of the 67 exported files was byte-identical to the one the code before the move wrote once the
 FakeQuantize class path in the node namespaces (``coreai_opt.quantization.spec.fake_quantize.FakeQuantize`` ->
 ``coreai_opt.quantization.fake_quantize.fake_quantize.FakeQuantize``, the only module path a file records) was

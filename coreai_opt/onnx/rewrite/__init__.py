@@ -20,10 +20,12 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 11. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
 12. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
     ``ReduceSum`` (OpenVINO folds that dequantization into the sum wrongly; onnxruntime stays bit-exact).
-13. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-14. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-15. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
-16. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+13. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
+    (TF-style "same" padding; onnxruntime fuses neither the pad nor the requantization around it).
+14. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+15. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+16. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+17. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
     ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
@@ -49,6 +51,7 @@ from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.rules.drop_zero_biases import DropZeroBiases
 from coreai_opt.onnx.rewrite.rules.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
 from coreai_opt.onnx.rewrite.rules.fold_constant_activations import FoldConstantActivations
+from coreai_opt.onnx.rewrite.rules.fold_pads_into_convs import FoldPadsIntoConvs
 from coreai_opt.onnx.rewrite.rules.fold_quantized_weights import FoldQuantizedWeights
 from coreai_opt.onnx.rewrite.rules.fold_weight_transposes import FoldWeightTransposes
 from coreai_opt.onnx.rewrite.rules.gather_block_quantized_rows import CONTRIB_DOMAIN, GatherBlockQuantizedRows
@@ -78,6 +81,7 @@ POST_PASSES: tuple[Rule, ...] = (
     MeansToGlobalAveragePool(),
     MeansToSumAndDivide(),
     GuardQuantizedSums(),
+    FoldPadsIntoConvs(),
     DropZeroBiases(),
     GuardFloat8Activations(),
     GuardFourBitActivations(),
