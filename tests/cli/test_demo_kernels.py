@@ -105,3 +105,40 @@ def test_readme_cnn_quantize_prints_the_snippet_with_the_cpu_kernels_forced_to_a
     snippet = (REPO / "docs" / "snippets" / "quantize_cnn.txt").read_text()
     expected = [line for line in snippet.splitlines() if not line.lstrip().startswith("latency")]
     assert [line for line in result.stdout.splitlines() if not line.lstrip().startswith("latency")] == expected
+
+
+def test_demo_quantized_argmax_is_three_output_steps_from_a_tie_on_every_test_digit() -> None:
+    import coreai_opt as co
+    from coreai_opt.cli import demo
+
+    split = load_digits_split(seed=demo.SEED)
+    torch.manual_seed(demo.SEED)
+    size = demo.CALIBRATION_BATCH_SIZE
+    prepared = co.prepare(load_digits_cnn(), co.QuantizerConfig.presets.w8a8(), (split.x_train[:size],))
+    co.calibrate(prepared, [split.x_train[i : i + size] for i in range(0, demo.CALIBRATION_BATCHES * size, size)])
+    converted = co.convert(prepared)
+    with torch.no_grad():
+        logits = converted(split.x_test)
+    step = float(converted.classifier_output_fq.get_qparams().scale)
+    assert step == pytest.approx(0.0866, abs=1e-4)  # the one output step the README's max |diff| would read
+    top2 = (logits.topk(2, dim=1).values / step).round()
+    # another CPU's float sums can re-round a logit by one step (eager) and onnxruntime may differ by one step more:
+    # a lead of >= 3 steps survives both, so the fake-quant and int8 accuracies (445/450) and the top-1 agreement
+    # cannot flip with the kernels
+    assert int((top2[:, 0] - top2[:, 1]).min()) == 3
+    assert int((logits.argmax(dim=1) == split.y_test).sum()) == 445
+
+
+@pytest.mark.parametrize(("steps", "diff", "printed"), [
+    (0.0, 0.0, "<= 1 step (0.0866)"), (1.0, 0.0866, "<= 1 step (0.0866)"), (2.0, 0.1732, "0.173 (2 steps)")])
+def test_demo_prints_the_eager_vs_onnxruntime_difference_as_the_one_step_bound_and_more_as_measured(
+        steps: float, diff: float, printed: str) -> None:
+    from coreai_opt.cli import demo
+
+    result = demo.DemoResult(
+        float_accuracy=0.99, fake_quant_accuracy=0.99, ort_int8_accuracy=0.99, top1_agreement=1.0, num_test=450,
+        max_abs_diff=diff, output_step=0.0866, max_diff_steps=steps, verification_ok=True, fp32_bytes=2048,
+        int8_bytes=1024, fp32_weight_bytes=1024, int8_weight_bytes=256, fp32_latency_ms={1: 0.02},
+        int8_latency_ms={1: 0.01}, fp32_path=Path("f.onnx"), int8_path=Path("i.onnx"), model_source="loaded")
+    row = next(line for line in demo.format_table(result).splitlines() if "max |eager - onnxruntime|" in line)
+    assert row.rsplit("|", 2)[1].strip() == printed
