@@ -21,6 +21,7 @@ import torch
 from coreai_opt.datasets import load_digits_split
 from coreai_opt.errors import CoreaiOptFileNotFoundError, CoreaiOptRuntimeError
 from coreai_opt.reference_models import load_digits_cnn, pretrained
+from tests.test_examples import cnn_snippet_mismatches
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,9 +103,7 @@ def test_readme_cnn_quantize_prints_the_snippet_with_the_cpu_kernels_forced_to_a
          ":make_model", "--input-shape", "1,3,64,64"], cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     assert result.returncode == 0, result.stderr
-    snippet = (REPO / "docs" / "snippets" / "quantize_cnn.txt").read_text()
-    expected = [line for line in snippet.splitlines() if not line.lstrip().startswith("latency")]
-    assert [line for line in result.stdout.splitlines() if not line.lstrip().startswith("latency")] == expected
+    assert cnn_snippet_mismatches(result.stdout) == []  # the output's max |diff| may be one step (see there)
 
 
 def test_demo_quantized_argmax_is_three_output_steps_from_a_tie_on_every_test_digit() -> None:
