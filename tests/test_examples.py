@@ -124,9 +124,45 @@ def test_readme_quantizes_the_cnn_factory_in_one_command_as_quoted(tmp_path):
         "warning: no calibration data: calibrating on random normal data of shape (1, 3, 64, 64) (8 batches); the "
         "export is checked but the accuracy of this model means nothing"]
     # the README quotes docs/snippets/quantize_cnn.txt: the same output, latency aside
-    snippet = (EXAMPLES.parent / "docs" / "snippets" / "quantize_cnn.txt").read_text()
+    assert cnn_snippet_mismatches(result.stdout) == []
+
+
+def cnn_snippet_mismatches(stdout: str) -> list[tuple[str, str]]:
+    """(snippet line, printed line) pairs where ``coreai-opt quantize`` output differs from the README's CNN snippet.
+
+    Latency lines are skipped. On the verification row of ``output`` the ``max |diff|`` and ``steps`` columns may
+    differ as long as the printed difference is at most one step: eager sums in float32, onnxruntime in int32, and
+    which side of a rounding tie a logit lands on depends on the CPU's summation order (0 steps here, 1 step in 2 of
+    3 runs with the conv and linear outputs moved by 4 ulps; the README says so). Every other column must match.
+    """
+    snippet = (REPO / "docs" / "snippets" / "quantize_cnn.txt").read_text()
     expected = [line for line in snippet.splitlines() if not line.lstrip().startswith("latency")]
-    assert [line for line in result.stdout.splitlines() if not line.lstrip().startswith("latency")] == expected
+    printed = [line for line in stdout.splitlines() if not line.lstrip().startswith("latency")]
+    if len(printed) != len(expected):
+        return list(zip(expected, printed, strict=False)) or [("<snippet>", stdout)]
+    mismatches = []
+    for want, got in zip(expected, printed, strict=True):
+        want_cells, got_cells = want.split(), got.split()
+        one_step_apart = (want_cells[:1] == got_cells[:1] == ["output"] and len(want_cells) == len(got_cells) == 8
+                          and want_cells[:2] + want_cells[4:] == got_cells[:2] + got_cells[4:]
+                          and float(got_cells[3]) <= 1.0)
+        if want != got and not one_step_apart:
+            mismatches.append((want, got))
+    return mismatches
+
+
+def test_cnn_snippet_check_accepts_one_step_of_eager_vs_onnxruntime_difference_and_nothing_else():
+    snippet = (REPO / "docs" / "snippets" / "quantize_cnn.txt").read_text()
+    quoted = "  output  8x10   0           0.00   28 steps  100.0%        True"
+    assert quoted in snippet.splitlines()
+    assert cnn_snippet_mismatches(snippet) == []
+    assert cnn_snippet_mismatches(snippet.replace(quoted, "  output  8x10   0.00085     1.00   28 steps  100.0%"
+                                                           "        True")) == []
+    for changed in ("  output  8x10   0.0017      2.00   28 steps  100.0%        True",
+                    "  output  8x10   0           0.00   28 steps  87.5%         True",
+                    "  output  8x10   0.00085     1.00   29 steps  100.0%        True"):
+        assert cnn_snippet_mismatches(snippet.replace(quoted, changed)) == [(quoted, changed)]
+    assert cnn_snippet_mismatches(snippet.replace("QLinearConv x20", "QLinearConv x19")) != []
 
 
 def test_cnn_factory_example_builds_the_model(tmp_path):

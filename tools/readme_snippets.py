@@ -50,7 +50,7 @@ def _one_thread_env() -> dict[str, str]:
 
 def _demo_table(repo: Path) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run([sys.executable, "-m", "coreai_opt.cli.main", "demo", "--no-cache", "--output-dir",
+        result = subprocess.run([sys.executable, "-m", "coreai_opt.cli.main", "demo", "--output-dir",
                                  str(Path(tmp) / "demo")], capture_output=True, text=True, env=_one_thread_env(),
                                 cwd=tmp, check=True)
     lines = result.stdout.splitlines()

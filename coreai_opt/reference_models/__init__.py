@@ -6,8 +6,9 @@ width/depth knobs so that tests can build tiny versions and benchmarks full-size
 
 One module per family: :mod:`.resnet`, :mod:`.mobilenet`, :mod:`.conv_nets` (decoder, 1-D conv, digits CNN),
 :mod:`.sequence_models` (transformers, shape unpacking) and :mod:`.batchnorm_statistics`. Import them from here.
+:mod:`.pretrained` loads the trained digits CNN shipped with the package (``digits_cnn.pt``, sha256-checked).
 
-This package imports only torch.
+This package imports only torch and :mod:`coreai_opt.errors`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from coreai_opt.reference_models.batchnorm_statistics import randomize_batchnorm
 from coreai_opt.reference_models.conv_nets import Conv1dGroupNorm, ConvTransposeDecoder, DigitsCNN
 from coreai_opt.reference_models.mobilenet import InvertedResidual, MobileNetV2Style, mobilenet_v2_style
+from coreai_opt.reference_models.pretrained import load_digits_cnn
 from coreai_opt.reference_models.resnet import BasicBlock, Bottleneck, ResNetStyle, resnet18_style, resnet50_style
 from coreai_opt.reference_models.sequence_models import (
     EncoderBlock,
@@ -26,6 +28,7 @@ from coreai_opt.reference_models.sequence_models import (
 )
 
 __all__ = [
+    "load_digits_cnn",
     "BasicBlock",
     "Bottleneck",
     "ResNetStyle",

@@ -96,7 +96,7 @@ def test_main_help_lists_every_subcommand(capsys):
 
 
 @pytest.mark.parametrize(
-    ("command", "option"), [("demo", "--no-cache"), ("quantize", "--calib-data"), ("inspect", "--no-fusion")]
+    ("command", "option"), [("demo", "--train"), ("quantize", "--calib-data"), ("inspect", "--no-fusion")]
 )
 def test_subcommand_help_describes_its_options(capsys, command, option):
     with pytest.raises(SystemExit) as exc:
@@ -447,10 +447,10 @@ def _percent(out: str, label: str) -> float:
     return float(match.group(1))
 
 
-def test_demo_int8_matches_float_and_onnxruntime_agrees(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("COREAI_OPT_CACHE", str(tmp_path / "cache"))
+def test_demo_int8_matches_float_and_onnxruntime_agrees(capsys, tmp_path):
     code, out, _ = _run(capsys, "demo", "--output-dir", str(tmp_path / "demo"))
     assert code == 0
+    assert "loaded the shipped weights" in out
     float_acc = _percent(out, "float accuracy (eager)")
     ort_acc = _percent(out, "int8 accuracy (onnxruntime)")
     assert float_acc >= 95.0
@@ -471,35 +471,27 @@ def test_demo_int8_matches_float_and_onnxruntime_agrees(capsys, tmp_path, monkey
     printed = out.splitlines()
     assert rows and all(row in printed for row in rows), f"stale demo snippet; fresh run:\n{out}"
 
-    # the trained weights were cached; loading them gives the same network without training
-    cache_file = tmp_path / "cache" / demo.CACHE_FILE
-    assert cache_file.is_file()
-    from coreai_opt.datasets import load_digits_split
 
-    model, source = demo._load_or_train(load_digits_split(seed=demo.SEED), cache_file)
-    assert source.startswith("loaded from cache")
-    cached = torch.load(cache_file, weights_only=True)
-    assert all(torch.equal(cached[k], v) for k, v in model.state_dict().items())
-
-
-def test_demo_without_cache_writes_nothing(tmp_path, monkeypatch):
+def test_demo_train_saves_weights_that_load_like_the_trained_network(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "EPOCHS", 1)
-    monkeypatch.setenv("COREAI_OPT_CACHE", str(tmp_path / "cache"))
     from coreai_opt.datasets import load_digits_split
+    from coreai_opt.reference_models import load_digits_cnn
+    from coreai_opt.reference_models.pretrained import sha256_of
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(demo.TORCH_THREADS)  # as run_demo does: one thread trains this tiny CNN fastest
     try:
-        _, source = demo._load_or_train(load_digits_split(seed=demo.SEED), None)
+        model, source = demo._train(load_digits_split(seed=demo.SEED), tmp_path / "w" / "digits_cnn.pt")
     finally:
         torch.set_num_threads(previous_threads)
-    assert source.startswith("trained 1 epochs")
-    assert not (tmp_path / "cache").exists()
+    digest = sha256_of(tmp_path / "w" / "digits_cnn.pt")
+    assert source.startswith("trained 1 epochs") and source.endswith(f"(sha256 {digest})")
+    loaded = load_digits_cnn(tmp_path / "w" / "digits_cnn.pt", digest)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in loaded.state_dict().items())
 
 
-def test_cache_dir_prefers_coreai_opt_cache_then_xdg(tmp_path, monkeypatch):
-    monkeypatch.setenv("COREAI_OPT_CACHE", str(tmp_path / "a"))
-    assert demo.cache_dir() == tmp_path / "a"
-    monkeypatch.delenv("COREAI_OPT_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert demo.cache_dir() == tmp_path / "xdg" / "coreai_opt"
+def test_demo_save_weights_without_train_exits_2(capsys, tmp_path):
+    code, _, err = _run(capsys, "demo", "--save-weights", str(tmp_path / "w.pt"), "--output-dir", str(tmp_path))
+    assert code == 2
+    assert "--save-weights needs --train" in err
+    assert not (tmp_path / "w.pt").exists()

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from coreai_opt import third_party_noise
-from coreai_opt.cli import demo
 from coreai_opt.cli.main import main
 
 SCRIPT = Path(sys.executable).with_name("coreai-opt")
@@ -31,8 +30,7 @@ def _cli(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess
 
 
 def test_demo_prints_nothing_on_stderr(tmp_path):
-    result = _cli("demo", "--output-dir", str(tmp_path / "demo"), cwd=tmp_path,
-                  env={"COREAI_OPT_CACHE": str(tmp_path / "cache")})
+    result = _cli("demo", "--output-dir", str(tmp_path / "demo"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # allowed lines: none (no FutureWarning, torchvision notice, progress bar, ...)
     assert "| int8 accuracy (onnxruntime)" in result.stdout
@@ -103,20 +101,18 @@ def test_help_states_the_trust_model(capsys):
     assert "Model files are trusted code: only quantize files you trust." in " ".join(capsys.readouterr().out.split())
 
 
-def test_demo_retrains_on_a_corrupt_cache_with_a_one_line_note(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(demo, "EPOCHS", 1)
-    cache = tmp_path / "cache.pt"
-    cache.write_bytes(b"")  # a truncated file: torch.load raises EOFError without a message
-    from coreai_opt.datasets import load_digits_split
+def test_demo_with_damaged_shipped_weights_prints_one_line_naming_the_sha256_and_the_fix(capsys, tmp_path,
+                                                                                        monkeypatch):
+    from coreai_opt.reference_models import pretrained
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(demo.TORCH_THREADS)
-    try:
-        model, source = demo._load_or_train(load_digits_split(seed=demo.SEED), cache)
-    finally:
-        torch.set_num_threads(previous)
-    err = capsys.readouterr().err
-    assert err.splitlines() == [f"note: the cached weights {cache} are unreadable (EOFError); training again"]
-    assert source.startswith("trained 1 epochs") and source.endswith(f"cached in {cache}")
-    reloaded = torch.load(cache, weights_only=True)  # the cache was rewritten with the new weights
-    assert all(torch.equal(reloaded[k], v) for k, v in model.state_dict().items())
+    damaged = tmp_path / "digits_cnn.pt"
+    damaged.write_bytes(pretrained.DIGITS_CNN_WEIGHTS.read_bytes()[:-1])  # one byte short
+    monkeypatch.setattr(pretrained, "DIGITS_CNN_WEIGHTS", damaged)
+    monkeypatch.setattr(pretrained.load_digits_cnn, "__defaults__", (damaged, pretrained.DIGITS_CNN_SHA256))
+    assert main(["demo", "--output-dir", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    expected = (f"coreai-opt demo: error: CoreaiOptRuntimeError: the trained digits CNN weights {damaged} have "
+                f"sha256 {pretrained.sha256_of(damaged)}, expected {pretrained.DIGITS_CNN_SHA256}: the file is damaged")
+    assert len(err) == 1 and err[0].startswith(expected)
+    assert err[0].endswith("or train instead (coreai-opt demo --train)")
+    assert not (tmp_path / "demo" / "digits_cnn.int8.onnx").exists()
