@@ -16,7 +16,7 @@ quantized logit leads by at least 3 steps (``tests/cli/test_demo_kernels.py`` pi
 ``max |eager - onnxruntime|`` is different: eager sums the fake-quantized products in float32, onnxruntime in
 int32, and the output logit nearest a rounding tie sits 1.1e-4 of a step from it (hidden activations as close as
 2e-7), so whether one logit lands one output step (0.0866) apart depends on the CPU. With every conv and linear
-output moved at random in calibration and in the eager model (``python -m benchmarks.demo_kernels``; at 4 ulps
+output moved at random in calibration and in the eager model (``python -m benchmarks.run demo``; at 4 ulps
 the scales move by 1-2e-7, as between the instruction sets above by 1-3e-7), the difference read 0.0866 in 2 of 8
 runs at 4 ulps and in 8 of 8 at 64 ulps, while every other row stayed the same. The table therefore prints that
 row as the bound it meets on every CPU, ``<= 1 step (0.0866)``, and a larger difference as measured

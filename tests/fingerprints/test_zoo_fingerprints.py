@@ -2,13 +2,14 @@
 
 ``zoo_fingerprints.json`` was last re-recorded when the rule ``fold_pads_into_convs`` joined the post-passes: the
 graph of every one of the 68 cases was unchanged (no zoo model pads explicitly), only the rewrite report in the
-model metadata lists the new rule. Before that it was re-recorded after issue 31's move of the modules into the folders of their roles:
-every one of the 67 exported files was byte-identical to the one the code before the move wrote once the
-FakeQuantize class path in the node namespaces (``coreai_opt.quantization.spec.fake_quantize.FakeQuantize`` ->
+model metadata lists the new rule. Before that it was re-recorded after issue 31's move of the modules into the
+folders of their roles: every one of the 67 exported files was byte-identical to the one the code before the move
+wrote once the FakeQuantize class path in the node namespaces
+(``coreai_opt.quantization.spec.fake_quantize.FakeQuantize`` ->
 ``coreai_opt.quantization.fake_quantize.fake_quantize.FakeQuantize``, the only module path a file records) was
-mapped, and the quantizers, stored values and eager outputs of all 68 cases were equal. The record before it
-changed on purpose: cat stopped sharing one quantizer (the five conv_transpose_decoder cases). Earlier records
-proved issue 16's file split and the per-edge ownership refactor byte-identical on all 68 cases.
+mapped, and the quantizers, stored values and eager outputs of all 68 cases were equal. The record before it changed
+on purpose: cat stopped sharing one quantizer (the five conv_transpose_decoder cases). Earlier records proved issue
+16's file split and the per-edge ownership refactor byte-identical on all 68 cases.
 
 What a case compares (see :mod:`tests.fingerprints.zoo_fingerprints`): the quantizers and the ONNX structure
 exactly, every stored tensor's sums and the eager output's sums within a tolerance, and, whenever the float

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.demo_kernels --ulps 64 --runs 8
+    python -m benchmarks.run demo --ulps 64 --runs 8
 
 Another CPU sums conv and matmul products in another order, so their outputs differ in the last bits (a few ulps).
 Each run moves every float32 conv and linear output (the aten ops, caught by a ``TorchDispatchMode``) by a seeded
@@ -80,11 +80,14 @@ def run(ulps: float, seed: int, output_dir: Path) -> tuple[tuple[str, ...], int,
     return rows, perturbation.calls, result.int8_path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_kernels", description=__doc__.split("\n\n")[0])
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The study's options: ``--ulps`` and ``--runs``."""
     parser.add_argument("--ulps", type=float, default=64.0, help="largest move of an output, in float32 ulps")
     parser.add_argument("--runs", type=int, default=8, help="seeded runs (seeds 1000, 1001, ...)")
-    args = parser.parse_args()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the perturbed demos and print how many tables equal the unperturbed one."""
     with tempfile.TemporaryDirectory() as tmp:
         reference, _, reference_path = run(0.0, 0, Path(tmp) / "reference")
         reference_scales = _scales(reference_path)
@@ -100,7 +103,4 @@ def main() -> None:
     for rows, count in tables.items():
         if rows != reference:
             print(f"{count} run(s) printed:\n" + "\n".join(rows))
-
-
-if __name__ == "__main__":
-    main()
+    return 0
