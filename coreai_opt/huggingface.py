@@ -219,10 +219,31 @@ def _load_preprocessor(transformers: Any, directory: Path, modality: str) -> Any
         saved = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
         if not any((directory / name).is_file() for name in saved):
             return None
-        return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        return _with_pad_token(transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True))
     if not (directory / "preprocessor_config.json").is_file():
         return None
     return transformers.AutoImageProcessor.from_pretrained(directory, local_files_only=True, backend="pil")
+
+
+def _with_pad_token(tokenizer: Any) -> Any:
+    """Give a tokenizer without a pad token (most decoder tokenizers) one, in memory, so batches can be padded.
+
+    The pad token is the tokenizer's EOS, else UNK, else BOS token (the files on disk are not changed). Padded
+    positions get ``attention_mask`` 0, so which id fills them does not change the real tokens' outputs.
+
+    Raises:
+        ValueError: The tokenizer has no pad, EOS, UNK or BOS token to pad with.
+    """
+    if getattr(tokenizer, "pad_token", None) is not None or not hasattr(tokenizer, "pad_token"):
+        return tokenizer
+    for stand_in in ("eos_token", "unk_token", "bos_token"):
+        token = getattr(tokenizer, stand_in, None)
+        if token is not None:
+            tokenizer.pad_token = token
+            return tokenizer
+    raise ValueError("the tokenizer has no pad, EOS, UNK or BOS token, so calibration lines of different lengths "
+                     "cannot be batched; add one (tokenizer.add_special_tokens({'pad_token': '<pad>'})) and save "
+                     "it with tokenizer.save_pretrained(directory)")
 
 
 def _image_shape(config: Any, preprocessor: Any) -> tuple[int, int, int]:
@@ -267,7 +288,11 @@ def from_pretrained(directory: str | Path, *, seq_len: int = 128) -> PretrainedM
     with _quiet_transformers(transformers):
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
         cls = _model_class(transformers, config, directory)
-        model = cls.from_pretrained(directory, local_files_only=True).eval()
+        if getattr(config, "use_cache", False):
+            # off in memory only (config.json is not touched): a forward then returns plain tensors, not a
+            # DynamicCache, so torch.export can capture it. The KV-cache decoder is coreai_opt.onnx.export.kv_cache.
+            config.use_cache = False
+        model = cls.from_pretrained(directory, config=config, local_files_only=True).eval()
         names = forward_input_names(model)
         modality = "image" if "pixel_values" in names[:1] else "text" if "input_ids" in names[:1] else ""
         if not modality:
