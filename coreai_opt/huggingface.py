@@ -135,6 +135,24 @@ class PretrainedModel:
         return tuple(encoded[name].to(torch.int64) for name in self.input_names)
 
     @public_api
+    def prompt_ids(self, lines: Sequence[str]) -> list[torch.Tensor]:
+        """Each line tokenized alone at its real length (1-D int64 ids, no padding): prompts for a decoder.
+
+        Raises:
+            ValueError: Not a text model, no tokenizer, no lines, or a line that tokenizes to nothing.
+        """
+        if self.modality != "text" or self.preprocessor is None:
+            raise ValueError(f"{self.directory} has no tokenizer (tokenizer.json); prompts cannot be tokenized. "
+                             "Save the tokenizer with tokenizer.save_pretrained(directory)")
+        if not lines:
+            raise ValueError("no text lines to tokenize; give at least one non-empty line")
+        prompts = [self.preprocessor(line, return_tensors="pt")["input_ids"][0].to(torch.int64) for line in lines]
+        empty = [line for line, ids in zip(lines, prompts, strict=True) if ids.numel() == 0]
+        if empty:
+            raise ValueError(f"the tokenizer turns {empty[0]!r} into no tokens; remove that line")
+        return prompts
+
+    @public_api
     def image_inputs(self, paths: Sequence[Path]) -> tuple[torch.Tensor]:
         """Preprocess image files with the directory's image processor (resize, normalize) into pixel values.
 

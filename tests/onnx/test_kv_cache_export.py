@@ -166,3 +166,14 @@ def test_a_cached_decode_step_is_faster_than_the_full_forward_it_replaces(export
             times.append(time.perf_counter() - start)
         ratios.append(times[0] / times[1])
     assert statistics.median(ratios) < 1.0, f"cached / full time ratios: {sorted(ratios)}"
+
+
+def test_generation_report_names_the_first_differing_step_and_its_margin():
+    from coreai_opt.onnx.verify.generation import GenerationReport
+
+    report = GenerationReport(onnxruntime=[[1, 2, 3], [4, 5, 6]], eager=[[1, 2, 3], [4, 7, 6]],
+                              first_difference=[None, 1], margins=[None, 0.0043])
+    assert not report.ok and report.identical == 4 and report.total == 6
+    assert str(report).splitlines() == [
+        "greedy generation, onnxruntime vs eager (KV cache): 2 prompt(s), 4/6 tokens identical, ok=False",
+        "  prompt 1: first difference at step 1 (eager top-2 margin 0.0043)"]
