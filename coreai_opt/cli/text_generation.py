@@ -4,7 +4,8 @@ Recipe: wrap the loaded model in :class:`~coreai_opt.graph.kv_cache_decoder.Deco
 batch, sequence and past length symbolic -> calibrate on each prompt's prefill and a few greedy decode steps, at
 its real length (``--calib-text`` lines, else random ids of ``--seq-len`` tokens) -> convert ->
 ``export_onnx(..., task="text-generation")`` -> greedy generation in onnxruntime vs eager, token for token
-(:mod:`coreai_opt.onnx.verify.generation`). Writes ``OUTPUT.onnx`` and ``OUTPUT.generation.json``.
+(:mod:`coreai_opt.onnx.verify.generation`). Writes ``OUTPUT.onnx``, ``OUTPUT.generation.json``, and beside them
+``genai_config.json`` and the tokenizer (:mod:`coreai_opt.onnx.export.genai_config`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def run_text_generation(args: argparse.Namespace, loaded: Any, config: Any, outp
     """
     import coreai_opt as co
     from coreai_opt.graph.kv_cache_decoder import DecoderWithCache
+    from coreai_opt.onnx.export.genai_config import write_genai_files
     from coreai_opt.onnx.verify.generation import compare_greedy
 
     hf = loaded.pretrained
@@ -94,4 +96,6 @@ def run_text_generation(args: argparse.Namespace, loaded: Any, config: Any, outp
     console.info(f"calibration: {calibration}")
     console.info(f"wrote {path}")
     console.info(f"wrote {json_path}")
+    written = write_genai_files(path, hf.model.config, hf.preprocessor)
+    console.info(f"wrote {', '.join(p.name for p in written)} beside it (onnxruntime_genai.Model({path.parent}))")
     return report.ok

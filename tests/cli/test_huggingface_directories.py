@@ -219,6 +219,8 @@ def test_quantize_llama_directory_for_text_generation_writes_a_kv_cache_decoder_
     assert record["onnxruntime_tokens"] == record["eager_tokens"]
     assert record["calibration"] == f"{calib_text} (8 prompts, prefill + 4 decode steps)"
     assert "128/128 tokens identical, ok=True" in out
+    assert json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "llama.onnx"
+    assert (tmp_path / "tokenizer.json").is_file()
     session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == [
         "input_ids", "attention_mask", "position_ids", "past_key_values.0.key", "past_key_values.0.value",

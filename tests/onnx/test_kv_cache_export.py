@@ -177,3 +177,25 @@ def test_generation_report_names_the_first_differing_step_and_its_margin():
     assert str(report).splitlines() == [
         "greedy generation, onnxruntime vs eager (KV cache): 2 prompt(s), 4/6 tokens identical, ok=False",
         "  prompt 1: first difference at step 1 (eager top-2 margin 0.0043)"]
+
+
+def test_genai_config_names_the_decoder_file_its_sizes_io_names_and_token_ids(llama, tmp_path):
+    import json
+
+    from coreai_opt.onnx.export.genai_config import write_genai_files
+
+    written = write_genai_files(tmp_path / "model.onnx", llama.model.config, llama.preprocessor)
+    assert sorted(p.name for p in written) == ["genai_config.json", "tokenizer.json", "tokenizer_config.json"]
+    config = json.loads((tmp_path / "genai_config.json").read_text())
+    model, decoder = config["model"], config["model"]["decoder"]
+    assert (model["bos_token_id"], model["eos_token_id"], model["pad_token_id"]) == (1, 2, 2)
+    assert (model["type"], model["vocab_size"], model["context_length"]) == ("llama", 97, 256)
+    assert decoder["filename"] == "model.onnx"
+    assert (decoder["head_size"], decoder["hidden_size"], decoder["num_attention_heads"],
+            decoder["num_key_value_heads"], decoder["num_hidden_layers"]) == (16, 64, 4, 2, 2)
+    assert decoder["inputs"] == {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                                 "position_ids": "position_ids", "past_key_names": "past_key_values.%d.key",
+                                 "past_value_names": "past_key_values.%d.value"}
+    assert decoder["outputs"] == {"logits": "logits", "present_key_names": "present.%d.key",
+                                  "present_value_names": "present.%d.value"}
+    assert config["search"]["past_present_share_buffer"] is False and config["search"]["top_k"] == 1
