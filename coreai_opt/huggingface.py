@@ -135,6 +135,24 @@ class PretrainedModel:
         return tuple(encoded[name].to(torch.int64) for name in self.input_names)
 
     @public_api
+    def prompt_ids(self, lines: Sequence[str]) -> list[torch.Tensor]:
+        """Each line tokenized alone at its real length (1-D int64 ids, no padding): prompts for a decoder.
+
+        Raises:
+            ValueError: Not a text model, no tokenizer, no lines, or a line that tokenizes to nothing.
+        """
+        if self.modality != "text" or self.preprocessor is None:
+            raise ValueError(f"{self.directory} has no tokenizer (tokenizer.json); prompts cannot be tokenized. "
+                             "Save the tokenizer with tokenizer.save_pretrained(directory)")
+        if not lines:
+            raise ValueError("no text lines to tokenize; give at least one non-empty line")
+        prompts = [self.preprocessor(line, return_tensors="pt")["input_ids"][0].to(torch.int64) for line in lines]
+        empty = [line for line, ids in zip(lines, prompts, strict=True) if ids.numel() == 0]
+        if empty:
+            raise ValueError(f"the tokenizer turns {empty[0]!r} into no tokens; remove that line")
+        return prompts
+
+    @public_api
     def image_inputs(self, paths: Sequence[Path]) -> tuple[torch.Tensor]:
         """Preprocess image files with the directory's image processor (resize, normalize) into pixel values.
 
@@ -219,10 +237,31 @@ def _load_preprocessor(transformers: Any, directory: Path, modality: str) -> Any
         saved = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
         if not any((directory / name).is_file() for name in saved):
             return None
-        return transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        return _with_pad_token(transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True))
     if not (directory / "preprocessor_config.json").is_file():
         return None
     return transformers.AutoImageProcessor.from_pretrained(directory, local_files_only=True, backend="pil")
+
+
+def _with_pad_token(tokenizer: Any) -> Any:
+    """Give a tokenizer without a pad token (most decoder tokenizers) one, in memory, so batches can be padded.
+
+    The pad token is the tokenizer's EOS, else UNK, else BOS token (the files on disk are not changed). Padded
+    positions get ``attention_mask`` 0, so which id fills them does not change the real tokens' outputs.
+
+    Raises:
+        ValueError: The tokenizer has no pad, EOS, UNK or BOS token to pad with.
+    """
+    if getattr(tokenizer, "pad_token", None) is not None or not hasattr(tokenizer, "pad_token"):
+        return tokenizer
+    for stand_in in ("eos_token", "unk_token", "bos_token"):
+        token = getattr(tokenizer, stand_in, None)
+        if token is not None:
+            tokenizer.pad_token = token
+            return tokenizer
+    raise ValueError("the tokenizer has no pad, EOS, UNK or BOS token, so calibration lines of different lengths "
+                     "cannot be batched; add one (tokenizer.add_special_tokens({'pad_token': '<pad>'})) and save "
+                     "it with tokenizer.save_pretrained(directory)")
 
 
 def _image_shape(config: Any, preprocessor: Any) -> tuple[int, int, int]:
@@ -267,7 +306,11 @@ def from_pretrained(directory: str | Path, *, seq_len: int = 128) -> PretrainedM
     with _quiet_transformers(transformers):
         config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
         cls = _model_class(transformers, config, directory)
-        model = cls.from_pretrained(directory, local_files_only=True).eval()
+        if getattr(config, "use_cache", False):
+            # off in memory only (config.json is not touched): a forward then returns plain tensors, not a
+            # DynamicCache, so torch.export can capture it. The KV-cache decoder is coreai_opt.onnx.export.kv_cache.
+            config.use_cache = False
+        model = cls.from_pretrained(directory, config=config, local_files_only=True).eval()
         names = forward_input_names(model)
         modality = "image" if "pixel_values" in names[:1] else "text" if "input_ids" in names[:1] else ""
         if not modality:

@@ -74,7 +74,9 @@ def _check_inputs(meta: GraphMeta, args: tuple[Any, ...], kwargs: dict[str, Any]
                 f"calibration input '{spec.name}' is {str(value.dtype).removeprefix('torch.')} of shape "
                 f"{tuple(value.shape)} but the example input was {expected}; pass batches like the example input"
             )
-        if strict_shape and tuple(value.shape[1:]) != spec.shape[1:]:
+        free = set((meta.dynamic_axes or {}).get(spec.name, {})) | {0}  # axes the capture kept symbolic
+        fixed = [d for d in range(value.dim()) if d not in free]
+        if strict_shape and [value.shape[d] for d in fixed] != [spec.shape[d] for d in fixed]:
             raise ValueError(
                 f"calibration input '{spec.name}' has shape {tuple(value.shape)} but the exported graph was "
                 f"specialised to {expected}; only the batch dimension may change"

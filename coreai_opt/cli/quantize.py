@@ -30,6 +30,7 @@ from coreai_opt.cli.console import Console
 from coreai_opt.cli.model_files import EXPORT_SUFFIX, TORCHSCRIPT_SUFFIXES, load_model
 from coreai_opt.cli.option_checks import check_opset_for_model, check_output_path
 from coreai_opt.cli.quantize_report import QuantizeReport, Sizes, write_report
+from coreai_opt.cli.text_generation import TEXT_GENERATION, check_task_options, run_text_generation
 from coreai_opt.cli.usage_errors import EXIT_OK, EXIT_VERIFICATION_FAILED, CliError, one_line
 
 if TYPE_CHECKING:
@@ -77,6 +78,9 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argpa
                       "images (png, jpg, bmp, webp)")
     data.add_argument("--seq-len", type=int, help=f"tokens per sample of a Hugging Face text model (default "
                       f"{DEFAULT_SEQ_LEN}); the ONNX file has this fixed sequence length")
+    data.add_argument("--task", choices=[TEXT_GENERATION], help="text-generation: a Hugging Face causal LM as one "
+                      "decoder with a KV cache (onnxruntime-genai's input / output names), checked by greedy "
+                      "generation")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--preset", default="w8a8", metavar="NAME",
                        help=f"QuantizerConfig preset: {', '.join(PRESET_NAMES)} (default: w8a8)")
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     console: Console = getattr(args, "console", None) or Console()
     _check_numbers(args)
     auto.check_auto_options(args)
+    check_task_options(args)
     config, config_name = load_config(args.preset, args.config)
     config_name = "auto" if args.auto else config_name
     check_data_sources(args)
@@ -131,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model, seq_len=args.seq_len or DEFAULT_SEQ_LEN)
     check_hf_only_options(args, loaded)
+    if args.task == TEXT_GENERATION:
+        ok = run_text_generation(args, loaded, config, output, console)
+        return EXIT_OK if ok else EXIT_VERIFICATION_FAILED
     samples, names, calibration = build_samples(args, loaded, random_batches=RANDOM_BATCHES,
                                                 random_text_samples=RANDOM_TEXT_SAMPLES)
     model = loaded.ready(tuple(t[: args.batch_size] for t in samples))

@@ -53,6 +53,28 @@ def save_tiny_bert(directory: Path, *, max_positions: int = 64) -> Path:
     return directory
 
 
+DECODER_WORDS = ["<unk>", "<s>", "</s>", *WORDS[5:]]
+
+
+def save_tiny_llama(directory: Path, *, hidden: int = 64, layers: int = 2) -> Path:
+    """LlamaForCausalLM (grouped-query attention: 4 heads, 2 KV heads; ``use_cache`` true as saved by default)
+    plus a word-level tokenizer with BOS / EOS / UNK and no pad token, like most decoder tokenizers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(DECODER_WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(DECODER_WORDS), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    with _no_progress_bars():
+        LlamaForCausalLM(config).eval().save_pretrained(directory)
+    return directory
+
+
 def save_tiny_vit(directory: Path) -> Path:
     """ViTForImageClassification on 32x32 images (patch 8) + its image processor."""
     from transformers import ViTConfig, ViTForImageClassification
@@ -80,6 +102,11 @@ def save_images(directory: Path, count: int = 6) -> Path:
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
     return save_tiny_bert(tmp_path_factory.mktemp("hf") / "tiny-bert")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")

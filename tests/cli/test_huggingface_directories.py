@@ -153,3 +153,86 @@ def test_broken_torchvision_under_transformers_names_the_real_cause_and_the_fix(
     assert "BertForSequenceClassification" in message
     assert "torchvision does not match torch" in message and "operator torchvision::nms" in message
     assert "uninstall torchvision" in message
+
+
+def _file_bytes(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_llama_directory_saved_with_use_cache_quantizes_and_its_files_stay_untouched(capsys, tiny_llama_dir,
+                                                                                    calib_text, tmp_path):
+    """config.json says use_cache=true (a forward returns a DynamicCache); the loader turns it off in memory only."""
+    assert json.loads((tiny_llama_dir / "config.json").read_text())["use_cache"] is True
+    before = _file_bytes(tiny_llama_dir)
+    output = tmp_path / "llama.onnx"
+    code, _, err = _run(capsys, "quantize", str(tiny_llama_dir), "--calib-text", str(calib_text), "--seq-len",
+                        str(SEQ_LEN), "-o", str(output), "--latency-runs", "0")
+    assert code == 0, err
+    report = json.loads(output.with_name("llama.report.json").read_text())
+    assert report["ok"] is True
+    assert report["calibration"] == f"{calib_text} (8 lines, {SEQ_LEN} tokens)"
+    assert _file_bytes(tiny_llama_dir) == before
+    hf = huggingface.from_pretrained(tiny_llama_dir, seq_len=SEQ_LEN)
+    assert hf.model.config.use_cache is False and hf.architecture == "LlamaForCausalLM"
+
+
+def test_decoder_tokenizer_without_pad_token_pads_with_eos_under_a_zero_mask(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from tests.cli.conftest import DECODER_WORDS
+
+    assert AutoTokenizer.from_pretrained(tiny_llama_dir, local_files_only=True).pad_token is None  # as saved
+    hf = huggingface.from_pretrained(tiny_llama_dir, seq_len=SEQ_LEN)
+    assert hf.input_names == ("input_ids", "attention_mask")
+    ids, mask = hf.text_inputs(["the cat sat", "dog"])
+    vocab = {w: i for i, w in enumerate(DECODER_WORDS)}
+    assert ids.shape == mask.shape == (2, SEQ_LEN)
+    assert ids[0].tolist() == [vocab["the"], vocab["cat"], vocab["sat"]] + [vocab["</s>"]] * (SEQ_LEN - 3)
+    assert mask[0].tolist() == [1] * 3 + [0] * (SEQ_LEN - 3) and mask[1].tolist() == [1] + [0] * (SEQ_LEN - 1)
+    # the padded positions do not reach the real tokens: their logits equal an unpadded forward
+    with torch.no_grad():
+        padded = hf.model(ids[:1], mask[:1]).logits[0, :3]
+        alone = hf.model(ids[:1, :3], mask[:1, :3]).logits[0]
+    torch.testing.assert_close(padded, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_tokenizer_without_any_special_token_to_pad_with_is_refused_with_the_fix():
+    class Bare:
+        pad_token = eos_token = unk_token = bos_token = None
+
+    with pytest.raises(ValueError, match=r"has no pad, EOS, UNK or BOS token, .*add_special_tokens"):
+        huggingface._with_pad_token(Bare())
+
+
+def test_quantize_llama_directory_for_text_generation_writes_a_kv_cache_decoder_that_generates_like_eager(
+        capsys, tiny_llama_dir, calib_text, tmp_path):
+    import onnxruntime as ort
+
+    output = tmp_path / "llama.onnx"
+    # w4 (weight-only): w8a8 on these 8 lines gives 127/128 here, its one flip a near-tie at the last step (eager
+    # top-2 margin 0.0043), reported and failed by the strict check (tests/onnx/test_kv_cache_export.py runs w8a8)
+    code, out, err = _run(capsys, "quantize", str(tiny_llama_dir), "--task", "text-generation", "--preset", "w4",
+                          "--calib-text", str(calib_text), "-o", str(output))
+    assert code == 0, err
+    record = json.loads(output.with_name("llama.generation.json").read_text())
+    assert record["ok"] is True and record["tokens_identical"] == record["tokens"] == 4 * 32
+    assert record["onnxruntime_tokens"] == record["eager_tokens"]
+    assert record["calibration"] == f"{calib_text} (8 prompts, prefill + 4 decode steps)"
+    assert "128/128 tokens identical, ok=True" in out
+    assert json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "llama.onnx"
+    assert (tmp_path / "tokenizer.json").is_file()
+    session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == [
+        "input_ids", "attention_mask", "position_ids", "past_key_values.0.key", "past_key_values.0.value",
+        "past_key_values.1.key", "past_key_values.1.value"]
+    assert [o.name for o in session.get_outputs()] == [
+        "logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
+
+
+def test_text_generation_task_on_an_encoder_or_with_plain_path_options_is_refused(capsys, tiny_bert_dir, calib_text):
+    code, _, err = _run(capsys, "quantize", str(tiny_bert_dir), "--task", "text-generation", "--calib-text",
+                        str(calib_text), "--seq-len", str(SEQ_LEN))
+    assert code == 2 and "needs a Hugging Face save_pretrained directory of a causal LM" in err
+    assert "BertForSequenceClassification" in err
+    code, _, err = _run(capsys, "quantize", str(tiny_bert_dir), "--task", "text-generation", "--smoothquant")
+    assert code == 2 and "drop --smoothquant" in err

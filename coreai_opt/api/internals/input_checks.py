@@ -78,11 +78,15 @@ def given_inputs(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str,
     return dict(zip(names, args, strict=False)) | dict(kwargs)
 
 
-def _check_nonempty(specs: Sequence[InputSpec], given: Mapping[str, Any], where: str) -> None:
+def _check_nonempty(specs: Sequence[InputSpec], given: Mapping[str, Any], where: str,
+                    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None) -> None:
     for spec in specs:
         value = given.get(spec.name)
         if not isinstance(value, Tensor) or value.numel() > 0:
             continue
+        free = set((dynamic_axes or {}).get(spec.name, {})) - {0}
+        if value.dim() > 0 and value.shape[0] > 0 and all(d in free for d, size in enumerate(value.shape) if size == 0):
+            continue  # empty along an axis the capture kept symbolic (a KV cache of past length 0 at prefill)
         example = tuple(spec.shape)
         if all(size > 0 for size in example):
             raise InputValidationError(
@@ -113,7 +117,7 @@ def check_batch(meta: GraphMeta, tokens: Sequence[TokenInput], given: Mapping[st
     Raises:
         InputValidationError: an empty input, or a token id outside its embedding.
     """
-    _check_nonempty(meta.input_specs, given, where)
+    _check_nonempty(meta.input_specs, given, where, meta.dynamic_axes)
     _check_token_ids(tokens, given, where)
 
 

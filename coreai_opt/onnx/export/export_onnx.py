@@ -57,6 +57,7 @@ from coreai_opt.onnx.export.dynamic_axes import (
 )
 from coreai_opt.onnx.export.export_routes import export_with_fallback, torchscript_export
 from coreai_opt.onnx.export.input_validation import check_export_inputs, check_io_names
+from coreai_opt.onnx.export.kv_cache import task_io
 from coreai_opt.onnx.export.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.export.opset import preferred_opset, select_opset
 from coreai_opt.onnx.export.prequantize_weights import (
@@ -241,6 +242,7 @@ def export_onnx(
     output_names: Sequence[str] | None = None,
     dynamic_shapes: DynamicShapes | None = None,
     matmul_compute: str | None = None,
+    task: str | None = None,
 ) -> Path:
     """Export a converted model to an ONNX QDQ file that onnxruntime runs.
 
@@ -285,6 +287,10 @@ def export_onnx(
             choice is made at ``prepare`` (``QuantizerConfig.presets.w8(compute="int8")``) because the eager model
             must emulate it; passing it here only checks that the model was quantized that way and raises
             ``ValueError`` naming the layers otherwise. None: no check.
+        task: ``"text-generation"``: the model is a KV-cache decoder (``coreai_opt.graph.kv_cache_decoder``); its
+            inputs and outputs get onnxruntime-genai's names and symbolic axes (``input_ids``, ``attention_mask``,
+            ``position_ids``, ``past_key_values.{i}.key`` ... -> ``logits``, ``present.{i}.key`` ...; see
+            :mod:`coreai_opt.onnx.export.kv_cache`). None: a plain forward.
 
     Returns:
         The path written, as a :class:`~pathlib.Path`.
@@ -302,6 +308,9 @@ def export_onnx(
     check_export_inputs(model, inputs)
     _refuse_bfloat16(model, inputs)
     chosen_opset = select_opset(quantizer_uses(quantizers), opset, preferred=preferred_opset(model))
+    if task is not None:
+        input_names, output_names, dynamic_shapes = task_io(task, len(inputs), input_names, output_names,
+                                                            dynamic_shapes)
     in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
     num_outputs = _count_outputs(model, inputs)
     default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]

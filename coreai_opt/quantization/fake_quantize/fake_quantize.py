@@ -158,9 +158,10 @@ class FakeQuantize(RegistryFamily, nn.Module):
     def observe(self, x: Tensor) -> None:
         """Accumulate statistics of ``x`` without changing the qparams (:meth:`commit` turns them into qparams).
 
-        With weight rounding, ``x`` (the weight) is also remembered for :meth:`commit` to round.
+        With weight rounding, ``x`` (the weight) is also remembered for :meth:`commit` to round. An empty ``x``
+        (a KV cache of past length 0 at prefill) holds no values and changes nothing.
         """
-        if not self.stateful:
+        if not self.stateful or x.numel() == 0:
             return
         self.calculator.observe(x)
         if self.rounding is not None:
