@@ -11,7 +11,9 @@ of length 0; each decode step passes the previous step's presents. The wrapper b
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,7 +49,6 @@ class DecoderWithCache(nn.Module):
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         _register_attention()
-        config._attn_implementation = ATTENTION
 
     def empty_cache(self, batch_size: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
         """The ``2 * num_layers`` past tensors of a prefill: shape ``(batch_size, kv_heads, 0, head_dim)``."""
@@ -76,8 +77,9 @@ class DecoderWithCache(nn.Module):
                              f"got {len(past_key_values)}")
         cache = _dynamic_cache(self.model.config, past_key_values)
         mask = causal_mask(attention_mask, input_ids.shape[1])
-        out: Any = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
-                              use_cache=True)
+        with _attention_implementation(self.model.config, ATTENTION):
+            out: Any = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
+                                  use_cache=True)
         flat: list[torch.Tensor] = []
         for layer in cache.layers:
             flat += [layer.keys, layer.values]
@@ -179,6 +181,17 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                                            enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _attention_implementation(config: Any, name: str) -> Iterator[None]:
+    """Run the model with attention ``name`` for one call; the user's config reads as before afterwards."""
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 def _register_attention() -> None:

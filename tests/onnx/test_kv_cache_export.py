@@ -66,15 +66,20 @@ def test_causal_mask_sees_the_past_and_earlier_new_tokens_but_no_padding():
     assert mask[0, 0].int().tolist() == [[0, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
 
 
-def test_the_wrapped_model_called_directly_stays_causal(llama):
-    """The wrapper switches the model to its attention function; a plain call must still be causal."""
+def test_wrapping_and_running_leave_the_users_model_as_it_was(llama):
+    """The wrapper's attention function serves its own calls only: the model's config and outputs are unchanged."""
     ids = _prompts(llama)[0].reshape(1, -1)
+    implementation = llama.model.config._attn_implementation
     with torch.no_grad():
         before = llama.model(ids).logits
-        DecoderWithCache(llama.model)
+        wrapper = DecoderWithCache(llama.model)
+        assert llama.model.config._attn_implementation == implementation
+        wrapper(ids, torch.ones_like(ids), torch.arange(ids.shape[1]).reshape(1, -1),
+                *wrapper.empty_cache(1))
+        assert llama.model.config._attn_implementation == implementation
         after = llama.model(ids).logits
         prefix = llama.model(ids[:, :3]).logits
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
     torch.testing.assert_close(after[:, :3], prefix, rtol=1e-5, atol=1e-5)  # no token sees a later one
 
 
