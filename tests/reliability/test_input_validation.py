@@ -8,6 +8,7 @@ name).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,15 @@ class TokenNet(nn.Module):
 
 def _tokens(*shape: int, high: int = VOCAB, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_one_error(calls: dict[str, Callable[[], object]], message: str) -> None:
+    """Each call raises InputValidationError itself (no subclass) with ``"{where}: {message}"``."""
+    for where, call in calls.items():
+        with pytest.raises(InputValidationError) as info:
+            call()
+        assert type(info.value) is InputValidationError, where
+        assert str(info.value) == f"{where}: {message}"
 
 
 @pytest.fixture(scope="module", params=["fx", "export"])
@@ -125,14 +135,11 @@ def test_a_torch_export_capture_refuses_other_static_sizes_alike_in_calibrate_ex
     message = ("input 'tokens' has shape (2, 9) but the model was captured with torch.export for (2, 6); pass inputs "
                "of shape (2, 6) (only the batch dimension may change), or prepare with dynamic_shapes naming the "
                "dimensions that vary")
-    for where, call in {
+    _assert_one_error({
         "calibration batch 0": lambda: co.calibrate(copy.deepcopy(prepared), [longer], progress=False),
         "export_onnx example_inputs": lambda: co.export_onnx(converted, (longer,), tmp_path / "long.onnx"),
         "verify_onnx batch 0": lambda: co.verify_onnx(converted, path, [longer]),
-    }.items():
-        with pytest.raises(InputValidationError) as info:
-            call()
-        assert str(info.value) == f"{where}: {message}"
+    }, message)
 
 
 def test_export_onnx_still_accepts_float32_inputs_for_a_bfloat16_prepare_converted_back_to_float(
@@ -197,11 +204,7 @@ def test_the_same_bad_input_gets_one_error_type_and_message_from_calibrate_expor
         "verify_onnx batch 1": lambda: co.verify_onnx(cnn_pipeline.converted, cnn_pipeline.onnx_path,
                                                       [(cnn_pipeline.example,), bad]),
     }
-    for where, call in calls.items():
-        with pytest.raises(InputValidationError) as info:
-            call()
-        assert type(info.value) is InputValidationError, where
-        assert str(info.value) == f"{where}: {message}"
+    _assert_one_error(calls, message)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -216,11 +219,8 @@ def test_a_torch_export_capture_accepts_its_symbolic_sequence_length_and_refuses
     float_tokens = _tokens(2, 6).float()
     message = ("input 'tokens' is float32 of shape (2, 6) but the example input given to prepare was int64 of shape "
                "(2, 6); pass inputs of that dtype and rank (only the batch dimension is free)")
-    for where, call in {
+    _assert_one_error({
         "calibration batch 0": lambda: co.calibrate(copy.deepcopy(prepared), [float_tokens], progress=False),
         "export_onnx example_inputs": lambda: co.export_onnx(converted, (float_tokens,), tmp_path / "bad.onnx"),
         "verify_onnx batch 0": lambda: co.verify_onnx(converted, path, [float_tokens]),
-    }.items():
-        with pytest.raises(InputValidationError) as info:
-            call()
-        assert str(info.value) == f"{where}: {message}"
+    }, message)
