@@ -174,13 +174,10 @@ def _activation(
 
 @dataclass(frozen=True)
 class _Row:
-    """One preset of the table: the weight dtype and layout, the activation dtype and scheme, the bias rule.
+    """One preset of the table.
 
-    Attributes:
-        weight: Weight dtype: per-channel (axis 0), or per-block (axis 1) when ``per_block``.
-        activation: ``(dtype, qscheme)`` of the per-tensor activations, or None for float activations.
-        per_block: Per-block weights (``block_size``, weight rounding, ``qscheme`` options; per-channel fallback).
-        int32_bias: Quantize biases to int32 (off where no per-output-channel weight scale exists, or for fp8).
+    ``weight`` dtype per channel (axis 0) or ``per_block`` (axis 1: block size / rounding / qscheme options, per-channel
+    fallback); ``activation``: ``(dtype, qscheme)`` per tensor, or None (float); ``int32_bias`` (off: fp8, per-block).
     """
 
     weight: str
@@ -189,17 +186,15 @@ class _Row:
     int32_bias: bool = True
 
 
-_ASYMMETRIC, _SYMMETRIC = QuantizationScheme.ASYMMETRIC, QuantizationScheme.SYMMETRIC
-
 #: The calibrated presets, in ``names()`` order (``w8a8_dynamic`` is built apart: a per-op-kind config).
 _TABLE: dict[str, _Row] = {
     "w8": _Row("int8", None),
     "w4": _Row("int4", None, per_block=True, int32_bias=False),
-    "w8a8": _Row("int8", ("uint8", _ASYMMETRIC)),
-    "w8a8_sym": _Row("int8", ("int8", _SYMMETRIC)),
-    "w4a8": _Row("int4", ("uint8", _ASYMMETRIC), per_block=True, int32_bias=False),
-    "w8a16": _Row("int8", ("uint16", _ASYMMETRIC)),
-    "fp8": _Row("float8_e4m3fn", ("float8_e4m3fn", _SYMMETRIC), int32_bias=False),
+    "w8a8": _Row("int8", ("uint8", QuantizationScheme.ASYMMETRIC)),
+    "w8a8_sym": _Row("int8", ("int8", QuantizationScheme.SYMMETRIC)),
+    "w4a8": _Row("int4", ("uint8", QuantizationScheme.ASYMMETRIC), per_block=True, int32_bias=False),
+    "w8a16": _Row("int8", ("uint16", QuantizationScheme.ASYMMETRIC)),
+    "fp8": _Row("float8_e4m3fn", ("float8_e4m3fn", QuantizationScheme.SYMMETRIC), int32_bias=False),
 }
 
 
