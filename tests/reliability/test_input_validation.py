@@ -49,6 +49,17 @@ def _assert_one_error(calls: dict[str, Callable[[], object]], message: str) -> N
         assert str(info.value) == f"{where}: {message}"
 
 
+def _assert_refused_everywhere(bad: torch.Tensor, prepared: fx.GraphModule, converted: fx.GraphModule, path: Path,
+                               message: str) -> None:
+    """calibrate (batch 0), export_onnx and verify_onnx (batch 0) each refuse ``bad`` with ``message``."""
+    _assert_one_error({
+        "calibration batch 0": lambda: co.calibrate(copy.deepcopy(prepared), [bad], progress=False),
+        "export_onnx example_inputs": lambda: co.export_onnx(converted, (bad,), path.with_name("refused.onnx")),
+        "verify_onnx batch 0": lambda: co.verify_onnx(converted, path, [bad]),
+    }, message)
+    assert not path.with_name("refused.onnx").exists()
+
+
 @pytest.fixture(scope="module", params=["fx", "export"])
 def token_model(request: pytest.FixtureRequest) -> fx.GraphModule:
     torch.manual_seed(0)
@@ -135,11 +146,7 @@ def test_a_torch_export_capture_refuses_other_static_sizes_alike_in_calibrate_ex
     message = ("input 'tokens' has shape (2, 9) but the model was captured with torch.export for (2, 6); pass inputs "
                "of shape (2, 6) (only the batch dimension may change), or prepare with dynamic_shapes naming the "
                "dimensions that vary")
-    _assert_one_error({
-        "calibration batch 0": lambda: co.calibrate(copy.deepcopy(prepared), [longer], progress=False),
-        "export_onnx example_inputs": lambda: co.export_onnx(converted, (longer,), tmp_path / "long.onnx"),
-        "verify_onnx batch 0": lambda: co.verify_onnx(converted, path, [longer]),
-    }, message)
+    _assert_refused_everywhere(longer, prepared, converted, path, message)
 
 
 def test_export_onnx_still_accepts_float32_inputs_for_a_bfloat16_prepare_converted_back_to_float(
@@ -219,8 +226,4 @@ def test_a_torch_export_capture_accepts_its_symbolic_sequence_length_and_refuses
     float_tokens = _tokens(2, 6).float()
     message = ("input 'tokens' is float32 of shape (2, 6) but the example input given to prepare was int64 of shape "
                "(2, 6); pass inputs of that dtype and rank (only the batch dimension is free)")
-    _assert_one_error({
-        "calibration batch 0": lambda: co.calibrate(copy.deepcopy(prepared), [float_tokens], progress=False),
-        "export_onnx example_inputs": lambda: co.export_onnx(converted, (float_tokens,), tmp_path / "bad.onnx"),
-        "verify_onnx batch 0": lambda: co.verify_onnx(converted, path, [float_tokens]),
-    }, message)
+    _assert_refused_everywhere(float_tokens, prepared, converted, path, message)
