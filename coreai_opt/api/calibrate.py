@@ -8,8 +8,9 @@ autograd is disabled. Each batch only *observes* (cheap); on a clean exit every 
 are restored.
 
 Batches may be a tensor (one positional input), a tuple/list (positional inputs) or a dict (keyword inputs).
-Each is checked against the example inputs given to ``prepare`` (dtype and rank; for an exported graph also
-every non-batch dimension), and errors name the input.
+Each is checked against the example inputs given to ``prepare`` by the one input check that ``export_onnx`` and
+``verify_onnx`` use too (:mod:`coreai_opt.api.internals.input_checks`): an
+:class:`~coreai_opt.errors.InputValidationError` names the batch, the input and the fix.
 
 ``sync`` controls merging statistics across ``torch.distributed`` ranks through
 :class:`coreai_opt.api.distributed.CalibrationSync`: ``"auto"`` merges once before committing,
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 from coreai_opt.api.distributed import SYNC_MODES, CalibrationSync
 from coreai_opt.api.internals.batches import as_call
 from coreai_opt.api.internals.hessian_groups import check_reiterable, hessian_budget, hessian_groups
-from coreai_opt.api.internals.input_checks import check_batch, given_inputs, token_inputs
+from coreai_opt.api.internals.input_checks import InputCheck, differing_shape
 from coreai_opt.api.internals.model_guard import exclusive_model
 from coreai_opt.api.internals.quantizer_snapshot import QuantizerSnapshot
 from coreai_opt.api.internals.quantizer_state import (
@@ -40,6 +41,7 @@ from coreai_opt.api.internals.quantizer_state import (
     weight_quantizer_inputs,
 )
 from coreai_opt.error_boundary import error_stage, public_api
+from coreai_opt.errors import InputValidationError
 from coreai_opt.graph.graph_meta import GraphMeta, require_graph_meta
 from coreai_opt.quantization.rounding.input_statistics import InputStatistics
 
@@ -48,48 +50,12 @@ __all__ = ["calibrate"]
 _END = object()  # end of the calibration data
 
 
-def _check_inputs(meta: GraphMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    specs = meta.input_specs
-    names = list(meta.input_names)
-    if names and len(args) > len(names):
-        raise ValueError(
-            f"calibration batch has {len(args)} positional inputs but the model takes {len(names)} "
-            f"({', '.join(names)}); pass batches like the example inputs given to prepare"
-        )
-    unknown = [key for key in kwargs if key not in names] if names else []
-    if unknown:
-        raise ValueError(
-            f"calibration batch has unknown keyword input(s) {', '.join(map(repr, unknown))}; the model's inputs "
-            f"are {', '.join(names)}; use those names as dict keys"
-        )
-    given = dict(zip(names, args, strict=False)) | kwargs
-    strict_shape = meta.capture == "export"
-    for spec in specs:
-        value = given.get(spec.name)
-        if not isinstance(value, torch.Tensor):
-            continue
-        expected = f"{spec.dtype} of shape {spec.shape} (batch dimension free)"
-        if str(value.dtype).removeprefix("torch.") != spec.dtype or value.dim() != len(spec.shape):
-            raise ValueError(
-                f"calibration input '{spec.name}' is {str(value.dtype).removeprefix('torch.')} of shape "
-                f"{tuple(value.shape)} but the example input was {expected}; pass batches like the example input"
-            )
-        free = set((meta.dynamic_axes or {}).get(spec.name, {})) | {0}  # axes the capture kept symbolic
-        fixed = [d for d in range(value.dim()) if d not in free]
-        if strict_shape and [value.shape[d] for d in fixed] != [spec.shape[d] for d in fixed]:
-            raise ValueError(
-                f"calibration input '{spec.name}' has shape {tuple(value.shape)} but the exported graph was "
-                f"specialised to {expected}; only the batch dimension may change"
-            )
-
-
-def _shape_hint(meta: GraphMeta, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    given = dict(zip(meta.input_names, args, strict=False)) | kwargs
-    for spec in meta.input_specs:
-        value = given.get(spec.name)
-        if isinstance(value, torch.Tensor) and tuple(value.shape[1:]) != spec.shape[1:]:
-            return f"input '{spec.name}' has shape {tuple(value.shape)}, the example input had {spec.shape}; "
-    return ""
+def _shape_hint(check: InputCheck, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    differing = differing_shape(check.meta, check.given(args, kwargs))
+    if differing is None:
+        return ""
+    spec, shape = differing
+    return f"input '{spec.name}' has shape {shape}, the example input had {spec.shape}; "
 
 
 @public_api
@@ -223,8 +189,7 @@ def _run_pass(
     """Run the batches of ``data`` once; merge across ranks (``only`` these statistics); return the batch total."""
     count = 0
     total = max_batches if max_batches is not None else (len(data) if hasattr(data, "__len__") else None)
-    names = list(meta.input_names)
-    tokens = token_inputs(prepared, names)
+    check = InputCheck.for_model(prepared, meta)
     # statistics are merged across torch.distributed ranks (no-op without a process group) before commit
     with torch.no_grad(), CalibrationSync(prepared, sync, only=only) as syncer:
         bar = tqdm(data, total=total, disable=not progress or not syncer.is_main, desc=desc, leave=False)
@@ -235,14 +200,13 @@ def _run_pass(
             if batch is _END:
                 break
             args, kwargs = as_call(batch)
-            _check_inputs(meta, args, kwargs)
-            check_batch(meta, tokens, given_inputs(names, args, kwargs), f"calibration batch {count}")
+            check(args, kwargs, f"calibration batch {count}")
             try:
                 with error_stage(f"running calibration batch {count} through the model"):
                     prepared(*args, **kwargs)
             except RuntimeError as exc:
-                hint = _shape_hint(meta, args, kwargs)
-                raise ValueError(f"calibration batch {count} failed: {hint}{exc}") from exc
+                hint = _shape_hint(check, args, kwargs)
+                raise InputValidationError(f"calibration batch {count} failed: {hint}{exc}") from exc
             count += 1
             syncer.after_batch()
         bar.close()

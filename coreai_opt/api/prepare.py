@@ -15,13 +15,11 @@ folded convolution), so ``convert`` only freezes.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from coreai_opt.api.internals.quantizer_state import bias_quantizers, commit_weight_qparams, fake_quantizers
@@ -30,7 +28,7 @@ from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
 from coreai_opt.graph.activation_axes import check_activation_axes
 from coreai_opt.graph.finite_weights import check_finite_weights
-from coreai_opt.graph.graph_meta import InputSpec, get_graph_meta, set_graph_meta
+from coreai_opt.graph.graph_meta import get_graph_meta, set_graph_meta
 from coreai_opt.graph.node_meta import get_meta
 from coreai_opt.graph.shared_parameters import protect_shared_parameters
 from coreai_opt.passes.annotate import annotate
@@ -49,12 +47,6 @@ __all__ = ["prepare"]
 #: ``warnings.warn`` stack level of the user's ``prepare(...)`` line, seen from ``prepare`` (one frame for the
 #: ``public_api`` wrapper).
 _USER_STACKLEVEL = 3
-
-
-def _input_specs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[InputSpec, ...]:
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return tuple(InputSpec(name, str(value.dtype).removeprefix("torch."), tuple(value.shape))
-                 for name, value in bound.arguments.items() if isinstance(value, torch.Tensor))
 
 
 @public_api
@@ -156,6 +148,5 @@ def prepare(
     gm.train(qat)
     if not qat:  # weights are only read from here on: later copies (convert) share them too
         protect_shared_parameters(gm, share_all=True)
-    set_graph_meta(gm, replace(get_graph_meta(gm), config=config.to_dict(), converted=False, qat=qat,
-                               input_specs=_input_specs(model, example_inputs, kwargs)))
+    set_graph_meta(gm, replace(get_graph_meta(gm), config=config.to_dict(), converted=False, qat=qat))
     return gm

@@ -37,6 +37,7 @@ Choices:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from coreai_opt.config.op_config import OpConfig
@@ -171,6 +172,46 @@ def _activation(
     )
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One preset of the table.
+
+    ``weight`` dtype per channel (axis 0) or ``per_block`` (axis 1: block size / rounding / qscheme options, per-channel
+    fallback); ``activation``: ``(dtype, qscheme)`` per tensor, or None (float); ``int32_bias`` (off: fp8, per-block).
+    """
+
+    weight: str
+    activation: tuple[str, QuantizationScheme] | None
+    per_block: bool = False
+    int32_bias: bool = True
+
+
+#: The calibrated presets, in ``names()`` order (``w8a8_dynamic`` is built apart: a per-op-kind config).
+_TABLE: dict[str, _Row] = {
+    "w8": _Row("int8", None),
+    "w4": _Row("int4", None, per_block=True, int32_bias=False),
+    "w8a8": _Row("int8", ("uint8", QuantizationScheme.ASYMMETRIC)),
+    "w8a8_sym": _Row("int8", ("int8", QuantizationScheme.SYMMETRIC)),
+    "w4a8": _Row("int4", ("uint8", QuantizationScheme.ASYMMETRIC), per_block=True, int32_bias=False),
+    "w8a16": _Row("int8", ("uint16", QuantizationScheme.ASYMMETRIC)),
+    "fp8": _Row("float8_e4m3fn", ("float8_e4m3fn", QuantizationScheme.SYMMETRIC), int32_bias=False),
+}
+
+
+def _build(name: str, *, block_size: int = 32, algorithm: str | None = W4_ALGORITHM, qscheme: str = W4_QSCHEME,
+           compute: str = "float", activation_range: str = "minmax", percentile: float | None = None
+           ) -> QuantizerConfig:
+    """The config of table row ``name`` with the options its factory takes (the others keep these defaults)."""
+    row = _TABLE[name]
+    weight = (_per_block_weight(row.weight, block_size, algorithm, qscheme, compute) if row.per_block
+              else _per_channel_weight(row.weight, compute))
+    activation = None if row.activation is None else _activation(*row.activation, activation_range, percentile)
+    options: dict[str, object] = {} if row.int32_bias else {"int32_bias": False}  # only what differs from defaults
+    if row.per_block:
+        options["per_block_fallback"] = "per_channel"
+    return QuantizerConfig(weight=weight, activation=activation, **options)
+
+
 @public_api
 def w8(compute: str = "float") -> QuantizerConfig:
     """Int8 symmetric per-channel (axis 0) weights, minmax range, static qparams; activations float.
@@ -180,7 +221,7 @@ def w8(compute: str = "float") -> QuantizerConfig:
             or ``"int8"`` (int8 activations per row and K block: faster; the eager model emulates it). See
             :mod:`coreai_opt.quantization.spec.matmul_compute`.
     """
-    return QuantizerConfig(weight=_per_channel_weight("int8", compute), activation=None)
+    return _build("w8", compute=compute)
 
 
 @public_api
@@ -196,10 +237,7 @@ def w4(block_size: int = 32, algorithm: str | None = W4_ALGORITHM, qscheme: str 
         qscheme: ``"symmetric"`` or ``"asymmetric"`` (integer zero point per block).
         compute: ``"float"`` or ``"int8"``, as for :func:`w8` (``"int8"`` needs a block size of 16 to 256).
     """
-    return QuantizerConfig(
-        weight=_per_block_weight("int4", block_size, algorithm, qscheme, compute), activation=None, int32_bias=False,
-        per_block_fallback="per_channel",
-    )
+    return _build("w4", block_size=block_size, algorithm=algorithm, qscheme=qscheme, compute=compute)
 
 
 @public_api
@@ -210,10 +248,7 @@ def w8a8(activation_range: str = "minmax", percentile: float | None = None) -> Q
         activation_range: One of :data:`ACTIVATION_RANGES` (default ``"minmax"``: global min/max).
         percentile: Percentile for ``activation_range="percentile"`` (spec default when None).
     """
-    return QuantizerConfig(
-        weight=_per_channel_weight("int8"),
-        activation=_activation("uint8", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
-    )
+    return _build("w8a8", activation_range=activation_range, percentile=percentile)
 
 
 @public_api
@@ -224,10 +259,7 @@ def w8a8_sym(activation_range: str = "minmax", percentile: float | None = None) 
         activation_range: One of :data:`ACTIVATION_RANGES`.
         percentile: Percentile for ``activation_range="percentile"``.
     """
-    return QuantizerConfig(
-        weight=_per_channel_weight("int8"),
-        activation=_activation("int8", QuantizationScheme.SYMMETRIC, activation_range, percentile),
-    )
+    return _build("w8a8_sym", activation_range=activation_range, percentile=percentile)
 
 
 @public_api
@@ -247,12 +279,8 @@ def w4a8(
         activation_range: One of :data:`ACTIVATION_RANGES`.
         percentile: Percentile for ``activation_range="percentile"``.
     """
-    return QuantizerConfig(
-        weight=_per_block_weight("int4", block_size, algorithm, qscheme),
-        activation=_activation("uint8", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
-        int32_bias=False,
-        per_block_fallback="per_channel",
-    )
+    return _build("w4a8", block_size=block_size, algorithm=algorithm, qscheme=qscheme,
+                  activation_range=activation_range, percentile=percentile)
 
 
 @public_api
@@ -266,10 +294,7 @@ def w8a16(activation_range: str = "minmax", percentile: float | None = None,
         compute: ``"float"`` or ``"int8"``, as for :func:`w8`: the linears (16-bit input, 8-bit weight) run as
             ``MatMulNBits``.
     """
-    return QuantizerConfig(
-        weight=_per_channel_weight("int8", compute),
-        activation=_activation("uint16", QuantizationScheme.ASYMMETRIC, activation_range, percentile),
-    )
+    return _build("w8a16", compute=compute, activation_range=activation_range, percentile=percentile)
 
 
 @public_api
@@ -280,11 +305,7 @@ def fp8(activation_range: str = "minmax", percentile: float | None = None) -> Qu
         activation_range: One of :data:`ACTIVATION_RANGES`.
         percentile: Percentile for ``activation_range="percentile"``.
     """
-    return QuantizerConfig(
-        weight=_per_channel_weight("float8_e4m3fn"),
-        activation=_activation("float8_e4m3fn", QuantizationScheme.SYMMETRIC, activation_range, percentile),
-        int32_bias=False,
-    )
+    return _build("fp8", activation_range=activation_range, percentile=percentile)
 
 
 @public_api

@@ -11,11 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from torch import fx
+import torch
+from torch import Tensor, fx
+from torch.utils import _pytree as pytree
 
 from coreai_opt.graph.node_meta import META_KEY
 
-__all__ = ["GraphMeta", "InputSpec", "get_graph_meta", "require_graph_meta", "set_graph_meta"]
+__all__ = ["GraphMeta", "InputSpec", "OutputLeaf", "output_leaves", "get_graph_meta", "require_graph_meta",
+           "set_graph_meta"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,38 @@ class InputSpec:
 
 
 @dataclass(frozen=True)
+class OutputLeaf:
+    """One leaf of what ``forward`` returns, in pytree order (``torch.utils._pytree``; ``None`` is a leaf).
+
+    Attributes:
+        path: The pytree key path (``""`` for a lone tensor, ``"[1]"``, ``"['logits']"``).
+        type_name: ``"Tensor"``, or the type of a non-tensor leaf (``"NoneType"``, ``"int"``).
+        value: ``repr`` of a non-tensor leaf (``"None"``); ``""`` for a tensor.
+    """
+
+    path: str
+    type_name: str
+    value: str = ""
+
+    @property
+    def is_tensor(self) -> bool:
+        """True for a tensor leaf."""
+        return self.type_name == "Tensor"
+
+
+def output_leaves(outputs: Any) -> tuple[OutputLeaf, ...]:
+    """Describe a return value leaf by leaf (a ``torch.SymInt`` of a torch.export capture is an ``int``)."""
+    leaves = []
+    for path, value in pytree.tree_flatten_with_path(outputs)[0]:
+        if isinstance(value, Tensor):
+            leaves.append(OutputLeaf(pytree.keystr(path), "Tensor"))
+        else:
+            type_name = "int" if isinstance(value, torch.SymInt) else type(value).__name__
+            leaves.append(OutputLeaf(pytree.keystr(path), type_name, repr(value)))
+    return tuple(leaves)
+
+
+@dataclass(frozen=True)
 class GraphMeta:
     """What coreai_opt records about a captured, prepared or converted GraphModule.
 
@@ -40,11 +75,14 @@ class GraphMeta:
         input_names: The model's ``forward`` argument names (the graph's inputs).
         converted: True after ``convert``.
         qat: True when prepared for quantization-aware training.
-        input_specs: The tensor example inputs of ``prepare`` (calibration batches are checked against them).
+        input_specs: The tensor example inputs, bound to ``forward``'s signature once at capture (calibration
+            batches and export / verify inputs are checked against them).
         config: ``QuantizerConfig.to_dict()`` of the config used by ``prepare`` (None before ``prepare``).
         dynamic_axes: The axes the capture kept symbolic, ``{argument: {dimension: axis name}}`` (``batch``,
             ``sequence``, ``height``, ``width``; see :mod:`coreai_opt.graph.dynamic_dims`); None for an FX capture,
             whose export keeps the batch axis only.
+        outputs: The leaves of ``forward``'s return value on the example inputs, recorded at capture (the
+            exporter names and checks the graph outputs from them); None when not recorded (a model saved before).
     """
 
     capture: str
@@ -54,6 +92,7 @@ class GraphMeta:
     input_specs: tuple[InputSpec, ...] = ()
     config: dict[str, Any] | None = None
     dynamic_axes: dict[str, dict[int, str]] | None = None
+    outputs: tuple[OutputLeaf, ...] | None = None
 
     def __getitem__(self, key: str) -> Any:
         """Dict-style read access (``meta["config"]``), as with the dict this class replaced."""

@@ -28,32 +28,12 @@ from dataclasses import dataclass, field
 from torch.fx import Node
 
 from coreai_opt.graph.node_meta import DerivedSpec, QuantSpec, SharedSpec, get_meta
+from coreai_opt.graph.union_find import UnionFind
 
 __all__ = ["Edge", "QuantizerGroup", "QuantizerPlan", "plan_quantizers"]
 
 Edge = tuple[Node, Node]
 Point = tuple[Node] | tuple[Node, Node]
-
-
-class _UnionFind:
-    """Union-find over hashable points; ``union(a, b)`` keeps ``a``'s root."""
-
-    def __init__(self) -> None:
-        self.parent: dict[Hashable, Hashable] = {}
-
-    def find(self, x: Hashable) -> Hashable:
-        root = x
-        while self.parent.setdefault(root, root) != root:
-            root = self.parent[root]
-        while self.parent[x] != root:  # path compression
-            self.parent[x], x = root, self.parent[x]
-        return root
-
-    def union(self, a: Hashable, b: Hashable) -> Hashable:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[rb] = ra
-        return ra
 
 
 def _point(ref: Node | Edge) -> Point:
@@ -102,7 +82,7 @@ class QuantizerPlan:
 
 def plan_quantizers(nodes: list[Node]) -> QuantizerPlan:
     """Group the annotated points of ``nodes`` (graph order) into quantizers (rules in the module docstring)."""
-    uf = _UnionFind()
+    uf = UnionFind[Hashable]()
     followers: set[Node] = set()
     shared_edges: set[Point] = set()
     output_requests: list[tuple[Node, QuantSpec]] = []
@@ -144,7 +124,7 @@ def plan_quantizers(nodes: list[Node]) -> QuantizerPlan:
 
 
 def _assign_edge(
-    uf: _UnionFind,
+    uf: UnionFind[Hashable],
     decided: dict[Hashable, tuple[QuantSpec, Node]],
     split_roots: dict[tuple[Hashable, QuantSpec], Point],
     shared_edges: set[Point],
@@ -175,7 +155,7 @@ def _assign_edge(
 
 def _build(
     nodes: list[Node],
-    uf: _UnionFind,
+    uf: UnionFind[Hashable],
     decided: dict[Hashable, tuple[QuantSpec, Node]],
     followers: set[Node],
     requested_edges: list[Edge],

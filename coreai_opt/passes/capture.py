@@ -26,16 +26,18 @@ import operator
 import os
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils import _pytree as pytree
 
 from coreai_opt.graph.capture_error import CaptureError, InplaceAliasError, ShapeGuardError
 from coreai_opt.graph.dynamic_dims import dynamic_axes
 from coreai_opt.graph.dynamic_shapes_request import check_dynamic_shapes, export_dynamic_shapes, optional_dims
-from coreai_opt.graph.graph_meta import GraphMeta, get_graph_meta, set_graph_meta
+from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, OutputLeaf, get_graph_meta, output_leaves, set_graph_meta
 from coreai_opt.graph.node_meta import NodeMeta, set_meta
 from coreai_opt.graph.savable_graph_module import SavableGraphModule
 from coreai_opt.graph.shape_guards import check_shape_guards
@@ -135,8 +137,7 @@ def _split_leaves(leaf_modules: Sequence[type | str]) -> tuple[tuple[type, ...],
 
 def _capture_fx(
     model: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    example: ExampleCall,
     leaf_modules: Sequence[type | str],
     concrete_args: dict[str, Any] | None,
 ) -> fx.GraphModule:
@@ -151,8 +152,8 @@ def _capture_fx(
         ) from exc
     gm = SavableGraphModule(tracer.root, graph, type(model).__name__)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    names = list(inspect.signature(model.forward).parameters)
-    bound = {**_bind(model, args, kwargs), **(concrete_args or {})}
+    names = list(example.signature.parameters)
+    bound = {**example.with_defaults, **(concrete_args or {})}
     for placeholder, name in zip(placeholders, names, strict=False):
         if name in (concrete_args or {}):  # FX keeps a placeholder that asserts the value: default it to the value
             placeholder.args = (concrete_args[name],)
@@ -165,7 +166,7 @@ def _capture_fx(
     buffers = {name: b.clone() for name, b in gm.named_buffers()}  # forward may write into buffers (counters)
     try:
         with torch.no_grad():
-            ShapeProp(gm).propagate(*inputs)
+            outputs = output_leaves(ShapeProp(gm).propagate(*inputs))
     except Exception as exc:
         raise CaptureError(
             f"the FX graph of {type(model).__name__} traced but failed to run on the example inputs at "
@@ -176,15 +177,41 @@ def _capture_fx(
         with torch.no_grad():
             for name, value in gm.named_buffers():
                 value.copy_(buffers[name])
+    set_graph_meta(gm, GraphMeta(capture="fx", outputs=outputs))
     return functionalize_inplace(gm).graph_module
 
 
-def _bind(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Map forward parameter names to the example values (defaults included)."""
-    signature = inspect.signature(model.forward)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
+@dataclass(frozen=True)
+class ExampleCall:
+    """The example inputs bound to ``forward``'s signature, once per capture.
+
+    Attributes:
+        args: Positional example inputs.
+        kwargs: Keyword example inputs.
+        signature: ``inspect.signature(model.forward)``.
+        given: Parameter name -> the value the caller passed (no defaults).
+        with_defaults: ``given`` plus every defaulted parameter.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    signature: inspect.Signature
+    given: dict[str, Any]
+    with_defaults: dict[str, Any]
+
+    @classmethod
+    def bind(cls, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExampleCall:
+        """Bind ``args`` / ``kwargs`` to ``model.forward`` (``TypeError`` from :mod:`inspect` when they do not fit)."""
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
+        given = dict(bound.arguments)
+        bound.apply_defaults()
+        return cls(args, kwargs, signature, given, dict(bound.arguments))
+
+    def input_specs(self) -> tuple[InputSpec, ...]:
+        """Name, dtype and shape of every tensor the caller passed (what later inputs are checked against)."""
+        return tuple(InputSpec(name, str(value.dtype).removeprefix("torch."), tuple(value.shape))
+                     for name, value in self.given.items() if isinstance(value, torch.Tensor))
 
 
 def _export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], spec: dict[str, Any]
@@ -210,17 +237,27 @@ def _mutates(program: torch.export.ExportedProgram) -> bool:
                for n in program.graph.nodes if n.op == "call_function")
 
 
-def _capture_export(
-    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_shapes: dict[str, Any] | None = None
-) -> fx.GraphModule:
-    signature = inspect.signature(model.forward)
-    bound = signature.bind(*args, **kwargs)
+def _export_outputs(exported: fx.GraphModule, out_spec: pytree.TreeSpec) -> tuple[OutputLeaf, ...] | None:
+    """The exported program's return value as leaves: its flat outputs' example values in ``out_spec``'s structure.
+
+    None when an output node carries no example value (the exporter then learns the outputs by running the model).
+    """
+    output = next(n for n in reversed(exported.graph.nodes) if n.op == "output")
+    flat = list(pytree.tree_leaves(output.args[0]))
+    if any(isinstance(a, fx.Node) and "val" not in a.meta for a in flat) or len(flat) != out_spec.num_leaves:
+        return None
+    values = [a.meta["val"] if isinstance(a, fx.Node) else a for a in flat]
+    return output_leaves(pytree.tree_unflatten(values, out_spec))
+
+
+def _capture_export(model: nn.Module, example: ExampleCall, dynamic_shapes: dict[str, Any] | None = None
+                    ) -> fx.GraphModule:
     was_training = model.training
-    spec = export_dynamic_shapes(dict(bound.arguments), dynamic_shapes)
-    optional = {f"{name}.size({d})": (name, d) for name, dims in optional_dims(dict(bound.arguments),
-                                                                                 dynamic_shapes).items() for d in dims}
+    spec = export_dynamic_shapes(example.given, dynamic_shapes)
+    optional = {f"{name}.size({d})": (name, d) for name, dims in optional_dims(example.given, dynamic_shapes).items()
+                for d in dims}
     while True:
-        program = _export_program(model, args, kwargs, spec)
+        program = _export_program(model, example.args, example.kwargs, spec)
         guarded = check_shape_guards(program, type(model).__name__, frozenset(optional))
         if not guarded:
             break
@@ -230,8 +267,9 @@ def _capture_export(
             logger.info("%s is captured static: %s.forward branches on it", text, type(model).__name__)
     if _mutates(program):  # in-place ops, writes into views, out= calls: torch's functionalization replays them
         program = program.run_decompositions({})
-    axes = dynamic_axes(program, list(signature.parameters))
+    axes = dynamic_axes(program, list(example.signature.parameters))
     exported = program.module()
+    outputs = _export_outputs(exported, program.call_spec.out_spec)
     # A plain GraphModule (same graph, same pytree codegen) so that train()/eval() work like any module and
     # pickle / torch.save store it (see savable_graph_module).
     gm = SavableGraphModule(exported, exported.graph, type(model).__name__)
@@ -243,7 +281,7 @@ def _capture_export(
     gm.graph.lint()
     gm.recompile()
     gm.train(was_training)
-    set_graph_meta(gm, GraphMeta(capture="export", dynamic_axes=axes))
+    set_graph_meta(gm, GraphMeta(capture="export", dynamic_axes=axes, outputs=outputs))
     gm = functionalize_inplace(gm).graph_module
     return views_to_reshapes(gm).graph_module  # the traced views assumed the strides of torch's kernels
 
@@ -290,8 +328,9 @@ def capture(
             for callers that only read the weights (post-training quantization).
 
     Returns:
-        The GraphModule, with ``GraphMeta(capture="fx" | "export", input_names=(...))`` in
-        ``gm.meta["coreai_opt"]`` (:mod:`coreai_opt.graph.graph_meta`).
+        The GraphModule, with ``GraphMeta(capture="fx" | "export", input_names=(...), input_specs=(...))`` in
+        ``gm.meta["coreai_opt"]`` (:mod:`coreai_opt.graph.graph_meta`); the example inputs are bound to
+        ``forward``'s signature once (:class:`ExampleCall`), and every later step reads what was recorded.
 
     Raises:
         TypeError: ``example_args`` is not a tuple.
@@ -312,14 +351,14 @@ def capture(
     if method not in _METHODS:
         raise ValueError(f"capture={method!r} is not one of {_METHODS}")
     check_dynamic_shapes(model, dynamic_shapes)
-    kwargs = dict(example_kwargs or {})
+    example = ExampleCall.bind(model, example_args, dict(example_kwargs or {}))
     copied = copy_sharing_parameters(model) if share_parameters else copy.deepcopy(model)
     errors: list[str] = []
     gm: fx.GraphModule | None = None
     used = method
     if method in ("auto", "fx"):
         try:
-            gm, used = _capture_fx(copied, example_args, kwargs, leaf_modules, concrete_args), "fx"
+            gm, used = _capture_fx(copied, example, leaf_modules, concrete_args), "fx"
         except InplaceAliasError as exc:
             if method == "fx":
                 raise
@@ -332,7 +371,7 @@ def capture(
             errors.append(str(exc))
     if gm is None:
         try:
-            gm, used = _capture_export(copied, example_args, kwargs, dynamic_shapes), "export"
+            gm, used = _capture_export(copied, example, dynamic_shapes), "export"
         except ShapeGuardError:
             raise
         except CaptureError as exc:
@@ -344,8 +383,9 @@ def capture(
             ) from exc
     logger.info("captured %s with %s", type(model).__name__, used)
     _record_scopes(gm, copied)
-    names = [p for p in inspect.signature(model.forward).parameters if p not in (concrete_args or {})]
-    captured = get_graph_meta(gm)  # the export capture records its symbolic axes
-    set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names),
-                                 dynamic_axes=captured.dynamic_axes if captured is not None else None))
+    names = [p for p in example.signature.parameters if p not in (concrete_args or {})]
+    captured = get_graph_meta(gm)  # the capture records the outputs; torch.export also its symbolic axes
+    set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names), input_specs=example.input_specs(),
+                                 dynamic_axes=captured.dynamic_axes if captured is not None else None,
+                                 outputs=captured.outputs if captured is not None else None))
     return gm

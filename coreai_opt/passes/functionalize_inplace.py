@@ -38,7 +38,7 @@ from coreai_opt.graph.inplace_ops import (
 )
 from coreai_opt.graph.op_effects import is_pure, may_alias_input
 from coreai_opt.graph.pass_result import PassResult
-from coreai_opt.graph.union_find import NodeSets
+from coreai_opt.graph.union_find import UnionFind
 
 __all__ = ["functionalize_inplace"]
 
@@ -47,9 +47,9 @@ def _tensor_inputs(node: Node) -> list[Node]:
     return [a for a in node.all_input_nodes if a.op != "output"]
 
 
-def _storages(gm: GraphModule, nodes: list[Node], writes: dict[Node, InplaceWrite]) -> NodeSets:
+def _storages(gm: GraphModule, nodes: list[Node], writes: dict[Node, InplaceWrite]) -> UnionFind[Node]:
     """Sets of nodes that may share storage (a view and its base, an in-place result and its target)."""
-    storages = NodeSets()
+    storages: UnionFind[Node] = UnionFind()
     for node in nodes:
         storages.find(node)
         if node in writes:

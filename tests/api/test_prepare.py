@@ -9,7 +9,7 @@ from torch import nn
 from coreai_opt.api import calibrate, convert, enable_observers, prepare, summary
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.config.quantizer_config import OpConfig
-from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, get_graph_meta
+from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, OutputLeaf, get_graph_meta
 from coreai_opt.passes.capture import CaptureError
 from coreai_opt.quantization.spec import QuantizationSpec
 from tests.zoo import PRESETS, ZOO, build, preset_config, weighted_layer_count
@@ -137,7 +137,8 @@ def test_prepare_graph_meta_follows_the_contract():
     prepared = prepare(model, cfg, example)
     assert get_graph_meta(prepared) == GraphMeta(
         capture="fx", input_names=("tokens",), converted=False, qat=False,
-        input_specs=(InputSpec("tokens", "int64", (2, 12)),), config=cfg.to_dict())
+        input_specs=(InputSpec("tokens", "int64", (2, 12)),), config=cfg.to_dict(),
+        outputs=(OutputLeaf("", "Tensor"),))
     assert prepared.meta["coreai_opt"]["config"] == cfg.to_dict()  # dict-style reads keep working
 
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 from onnx import numpy_helper
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
+import coreai_opt as co
 from coreai_opt.onnx import export_onnx, verify_onnx
 from coreai_opt.onnx.export import save as save_module
 from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
@@ -264,3 +266,35 @@ def test_export_onnx_keeps_existing_file_when_export_fails(tmp_path: Path) -> No
         export_onnx(model, torch.randn(2, 4), path)
     assert path.read_bytes() == b"keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_export_onnx_names_the_outputs_from_the_capture_record_without_running_the_model(tmp_path: Path) -> None:
+    """GraphMeta.outputs (recorded at capture) replaces the eager forward export_onnx ran only to count outputs."""
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = torch.relu(self.fc(x))
+            return h[:, :3], h[:, 3:]
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    prepared = co.prepare(TwoHeads().eval(), co.QuantizerConfig.presets.w8a8(), (x,))
+    co.calibrate(prepared, [x], progress=False)
+    converted = co.convert(prepared)
+    eager_calls: list[type] = []
+
+    def count(_module: nn.Module, args: tuple) -> None:
+        if type(args[0]) is torch.Tensor and not isinstance(args[0], FakeTensor):
+            eager_calls.append(type(args[0]))
+
+    handles = [m.register_forward_pre_hook(count) for m in converted.modules() if isinstance(m, FakeQuantize)]
+    assert handles  # every quantizer runs as a module in eager
+    path = export_onnx(converted, (x,), tmp_path / "two.onnx")
+    for handle in handles:
+        handle.remove()
+    assert eager_calls == []
+    assert [o.name for o in onnx.load(str(path)).graph.output] == ["output_0", "output_1"]
+    assert verify_onnx(converted, path, [x]).ok

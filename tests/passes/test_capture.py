@@ -1,4 +1,5 @@
 import copy
+import importlib
 import inspect
 import operator
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from coreai_opt.graph.graph_meta import get_graph_meta
+from coreai_opt.graph.graph_meta import InputSpec, OutputLeaf, get_graph_meta
 from coreai_opt.graph.node_meta import get_meta
 from coreai_opt.passes.capture import CaptureError, capture
 from tests.zoo import ZOO, build
@@ -107,3 +108,54 @@ def test_capture_export_accepts_keyword_inputs_with_dynamic_batch():
     gm.eval()
     y = torch.randn(7, 5, 4)
     assert torch.equal(gm(y, scale=scale), model(y, scale=scale))
+
+
+class _DictOutputs(nn.Module):
+    """Keyword input with a default, a nested return value holding a None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 2.0) -> dict:
+        h = self.fc(x) * scale
+        return {"logits": h, "pair": (h * mask.unsqueeze(-1), None)}
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_capture_records_the_bound_example_inputs_and_the_output_leaves_in_graph_meta(method: str) -> None:
+    x, mask = torch.randn(2, 4), torch.ones(2, dtype=torch.int64)
+    gm = capture(_DictOutputs().eval(), (x,), {"mask": mask}, method=method)
+    meta = get_graph_meta(gm)
+    assert meta.capture == method
+    assert meta.input_names == ("x", "mask", "scale")
+    assert meta.input_specs == (InputSpec("x", "float32", (2, 4)), InputSpec("mask", "int64", (2,)))
+    assert meta.outputs == (OutputLeaf("['logits']", "Tensor"), OutputLeaf("['pair'][0]", "Tensor"),
+                            OutputLeaf("['pair'][1]", "NoneType", "None"))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return self.lstm(x)  # one FX node whose value is (output, (h, c))
+
+
+def test_fx_capture_records_the_leaves_of_a_leaf_module_that_returns_a_tuple() -> None:
+    gm = capture(_Recurrent().eval(), (torch.randn(2, 3, 4),), method="fx")
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_module", "output"]
+    assert get_graph_meta(gm).outputs == (OutputLeaf("[0]", "Tensor"), OutputLeaf("[1][0]", "Tensor"),
+                                          OutputLeaf("[1][1]", "Tensor"))
+
+
+def test_capture_binds_the_example_inputs_to_forward_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    capture_module = importlib.import_module("coreai_opt.passes.capture")  # the package exports the function
+    calls = []
+    bind = capture_module.ExampleCall.bind.__func__
+    monkeypatch.setattr(capture_module.ExampleCall, "bind",
+                        classmethod(lambda cls, *a: calls.append(a[0]) or bind(cls, *a)))
+    model = _DictOutputs().eval()
+    capture(model, (torch.randn(2, 4),), {"mask": torch.ones(2)}, method="auto")
+    assert calls == [model]

@@ -13,7 +13,14 @@ from torch import fx, nn
 
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
-from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, get_graph_meta, require_graph_meta, set_graph_meta
+from coreai_opt.graph.graph_meta import (
+    GraphMeta,
+    InputSpec,
+    OutputLeaf,
+    get_graph_meta,
+    require_graph_meta,
+    set_graph_meta,
+)
 
 
 def _prepared() -> tuple[fx.GraphModule, torch.Tensor]:
@@ -29,7 +36,7 @@ def test_graph_meta_survives_deepcopy_and_convert() -> None:
     prepared, x = _prepared()
     meta = get_graph_meta(prepared)
     assert meta == GraphMeta("fx", ("input",), False, False, (InputSpec("input", "float32", (2, 4)),),
-                             QuantizerConfig.presets.w8a8().to_dict())
+                             QuantizerConfig.presets.w8a8().to_dict(), None, (OutputLeaf("", "Tensor"),))
     other = copy.deepcopy(prepared)
     assert isinstance(other.meta["coreai_opt"], GraphMeta) and get_graph_meta(other) == meta
     with torch.no_grad():

@@ -19,6 +19,7 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.api.internals.quantizer_state import fake_quantizers
+from coreai_opt.errors import InputValidationError
 from coreai_opt.quantization.spec import FakeQuantize, QuantizationSpec
 from coreai_opt.quantization.spec.qparams_math import SCALE_EPS
 
@@ -175,15 +176,16 @@ def test_calibrate_with_all_zero_and_constant_batches_gives_finite_qparams(prepa
 BAD_DATA = [
     ("empty list", [], ValueError, r"calibration data is empty", r"pass an iterable with at least one batch"),
     ("empty generator", (b for b in ()), ValueError, r"calibration data is empty", r"at least one batch"),
-    ("wrong dtype", [torch.randn(2, 3, 8, 8, dtype=torch.float64)], ValueError,
-     r"calibration input 'x' is float64 of shape \(2, 3, 8, 8\)", r"the example input was float32 of shape "
-     r"\(4, 3, 8, 8\) \(batch dimension free\); pass batches like the example input"),
-    ("wrong rank", [torch.randn(2, 3, 8)], ValueError, r"calibration input 'x' is float32 of shape \(2, 3, 8\)",
-     r"pass batches like the example input"),
-    ("wrong spatial shape", [torch.randn(2, 3, 9, 9)], ValueError,
+    ("wrong dtype", [torch.randn(2, 3, 8, 8, dtype=torch.float64)], InputValidationError,
+     r"^calibration batch 0: input 'x' is float64 of shape \(2, 3, 8, 8\)", r"but the example input given to "
+     r"prepare was float32 of shape \(4, 3, 8, 8\); pass inputs of that dtype and rank \(only the batch dimension "
+     r"is free\)"),
+    ("wrong rank", [torch.randn(2, 3, 8)], InputValidationError,
+     r"^calibration batch 0: input 'x' is float32 of shape \(2, 3, 8\)", r"pass inputs of that dtype and rank"),
+    ("wrong spatial shape", [torch.randn(2, 3, 9, 9)], InputValidationError,
      r"calibration batch 0 failed: input 'x' has shape \(2, 3, 9, 9\)", r"the example input had \(4, 3, 8, 8\)"),
-    ("int tensor", [torch.ones(2, 3, 8, 8, dtype=torch.int64)], ValueError, r"'x' is int64",
-     r"example input was float32"),
+    ("int tensor", [torch.ones(2, 3, 8, 8, dtype=torch.int64)], InputValidationError, r"'x' is int64",
+     r"example input given to prepare was float32"),
     ("batch of wrong type", ["not a tensor"], TypeError, r"got str",
      r"must be a tensor, a tuple/list of positional inputs or a dict of keyword inputs"),
     ("max_batches=0", None, ValueError, r"max_batches must be a positive int or None, got 0", r"positive int"),

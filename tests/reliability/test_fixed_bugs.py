@@ -19,6 +19,7 @@ import coreai_opt as co
 from coreai_opt.api import load_state_dict
 from coreai_opt.api.internals.quantizer_state import bias_quantizers, fake_quantizers
 from coreai_opt.config import OpConfig
+from coreai_opt.errors import InputValidationError
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, QuantizationSpec
 
 from .conftest import Pipeline
@@ -143,15 +144,17 @@ def test_load_state_dict_lists_missing_and_unexpected_quantizers(cnn_pipeline: P
 def test_calibrate_rejects_an_extra_positional_input_naming_the_inputs(cnn_pipeline: Pipeline) -> None:
     prepared = co.prepare(cnn_pipeline.model, co.QuantizerConfig.presets.w8a8(), (cnn_pipeline.example,))
     x = cnn_pipeline.example
-    with pytest.raises(ValueError, match=re.escape("calibration batch has 2 positional inputs but the model takes 1 "
-                                                   "(x); pass batches like the example inputs given to prepare")):
+    with pytest.raises(InputValidationError, match=re.escape(
+            "calibration batch 0: 2 positional inputs given but the model takes 1 (x); pass one tensor per model "
+            "input, in order, like the example inputs given to prepare")):
         co.calibrate(prepared, [(x, x)], progress=False)
 
 
 def test_calibrate_rejects_an_unknown_dict_key_naming_the_inputs(cnn_pipeline: Pipeline) -> None:
     prepared = co.prepare(cnn_pipeline.model, co.QuantizerConfig.presets.w8a8(), (cnn_pipeline.example,))
-    with pytest.raises(ValueError, match=re.escape("calibration batch has unknown keyword input(s) 'image'; the "
-                                                   "model's inputs are x; use those names as dict keys")):
+    with pytest.raises(InputValidationError, match=re.escape(
+            "calibration batch 0: unknown keyword input(s) 'image'; the model's inputs are x; use those names as "
+            "keywords (dict keys)")):
         co.calibrate(prepared, [{"image": cnn_pipeline.example}], progress=False)
 
 

@@ -8,6 +8,7 @@ name).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from torch import fx, nn
 
 import coreai_opt as co
 from coreai_opt.errors import InputValidationError
+from coreai_opt.graph.graph_meta import get_graph_meta
 
 from .conftest import Pipeline
 
@@ -36,6 +38,26 @@ class TokenNet(nn.Module):
 
 def _tokens(*shape: int, high: int = VOCAB, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_one_error(calls: dict[str, Callable[[], object]], message: str) -> None:
+    """Each call raises InputValidationError itself (no subclass) with ``"{where}: {message}"``."""
+    for where, call in calls.items():
+        with pytest.raises(InputValidationError) as info:
+            call()
+        assert type(info.value) is InputValidationError, where
+        assert str(info.value) == f"{where}: {message}"
+
+
+def _assert_refused_everywhere(bad: torch.Tensor, prepared: fx.GraphModule, converted: fx.GraphModule, path: Path,
+                               message: str) -> None:
+    """calibrate (batch 0), export_onnx and verify_onnx (batch 0) each refuse ``bad`` with ``message``."""
+    _assert_one_error({
+        "calibration batch 0": lambda: co.calibrate(copy.deepcopy(prepared), [bad], progress=False),
+        "export_onnx example_inputs": lambda: co.export_onnx(converted, (bad,), path.with_name("refused.onnx")),
+        "verify_onnx batch 0": lambda: co.verify_onnx(converted, path, [bad]),
+    }, message)
+    assert not path.with_name("refused.onnx").exists()
 
 
 @pytest.fixture(scope="module", params=["fx", "export"])
@@ -112,14 +134,19 @@ def test_export_onnx_checks_example_inputs_against_what_prepare_recorded(cnn_pip
     assert list(tmp_path.iterdir()) == []
 
 
-def test_export_onnx_of_a_torch_export_capture_refuses_other_non_batch_shapes(tmp_path: Path) -> None:
-    """torch.export specialises the graph to the example's non-batch shape; FX graphs are run to see (above)."""
-    prepared = co.prepare(TokenNet().eval(), co.QuantizerConfig.presets.w8a8(), (_tokens(2, 6),), capture="export")
+def test_a_torch_export_capture_refuses_other_static_sizes_alike_in_calibrate_export_onnx_and_verify_onnx(
+        tmp_path: Path) -> None:
+    """torch.export specialises the graph to the example's static sizes; FX graphs are run to see (above)."""
+    prepared = co.prepare(TokenNet().eval(), co.QuantizerConfig.presets.w8a8(), (_tokens(2, 6),), capture="export",
+                          dynamic_shapes={"tokens": {0: torch.export.Dim("batch")}})  # the sequence stays static
     co.calibrate(prepared, [_tokens(4, 6)], progress=False)
     converted = co.convert(prepared)
-    with pytest.raises(InputValidationError, match=r"input 'tokens' has shape \(2, 9\) but the model was captured "
-                                                   r"with torch.export for \(2, 6\)"):
-        co.export_onnx(converted, (_tokens(2, 9),), tmp_path / "m.onnx")
+    path = co.export_onnx(converted, (_tokens(2, 6),), tmp_path / "m.onnx")
+    longer = _tokens(2, 9)
+    message = ("input 'tokens' has shape (2, 9) but the model was captured with torch.export for (2, 6); pass inputs "
+               "of shape (2, 6) (only the batch dimension may change), or prepare with dynamic_shapes naming the "
+               "dimensions that vary")
+    _assert_refused_everywhere(longer, prepared, converted, path, message)
 
 
 def test_export_onnx_still_accepts_float32_inputs_for_a_bfloat16_prepare_converted_back_to_float(
@@ -149,3 +176,54 @@ def test_an_input_and_an_output_with_one_name_are_refused_naming_them(cnn_pipeli
     with pytest.raises(InputValidationError, match=r"\['output'\] would name both"):  # the default output name
         co.export_onnx(co.convert(prepared), (torch.randn(2, 4),), tmp_path / "m.onnx")
     assert list(tmp_path.iterdir()) == []
+
+
+_EXAMPLE = (4, 3, 8, 8)
+SAME_BAD_INPUT = [
+    ("float64", lambda x: (x.double(),),
+     "input 'x' is float64 of shape (4, 3, 8, 8) but the example input given to prepare was float32 of shape "
+     "(4, 3, 8, 8); pass inputs of that dtype and rank (only the batch dimension is free)"),
+    ("int64", lambda x: (x.long(),),
+     "input 'x' is int64 of shape (4, 3, 8, 8) but the example input given to prepare was float32 of shape "
+     "(4, 3, 8, 8); pass inputs of that dtype and rank (only the batch dimension is free)"),
+    ("rank_3", lambda x: (x[0],),
+     "input 'x' is float32 of shape (3, 8, 8) but the example input given to prepare was float32 of shape "
+     "(4, 3, 8, 8); pass inputs of that dtype and rank (only the batch dimension is free)"),
+    ("empty", lambda x: (x[:0],),
+     "input 'x' has shape (0, 3, 8, 8), which holds no elements (the example input given to prepare had shape "
+     "(4, 3, 8, 8)); skip empty batches (e.g. a DataLoader over an empty shard, or a filtered batch with no samples "
+     "left)"),
+    ("two_positional", lambda x: (x, x),
+     "2 positional inputs given but the model takes 1 (x); pass one tensor per model input, in order, like the "
+     "example inputs given to prepare"),
+]
+
+
+@pytest.mark.parametrize(("make", "message"), [c[1:] for c in SAME_BAD_INPUT], ids=[c[0] for c in SAME_BAD_INPUT])
+def test_the_same_bad_input_gets_one_error_type_and_message_from_calibrate_export_onnx_and_verify_onnx(
+        cnn_pipeline: Pipeline, tmp_path: Path, make, message: str) -> None:  # noqa: ANN001
+    assert tuple(cnn_pipeline.example.shape) == _EXAMPLE
+    bad = make(cnn_pipeline.example)
+    calls = {
+        "calibration batch 1": lambda: co.calibrate(copy.deepcopy(cnn_pipeline.prepared), [cnn_pipeline.example, bad],
+                                                    progress=False),
+        "export_onnx example_inputs": lambda: co.export_onnx(cnn_pipeline.converted, bad, tmp_path / "m.onnx"),
+        "verify_onnx batch 1": lambda: co.verify_onnx(cnn_pipeline.converted, cnn_pipeline.onnx_path,
+                                                      [(cnn_pipeline.example,), bad]),
+    }
+    _assert_one_error(calls, message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_torch_export_capture_accepts_its_symbolic_sequence_length_and_refuses_other_sizes_everywhere(
+        tmp_path: Path) -> None:
+    prepared = co.prepare(TokenNet().eval(), co.QuantizerConfig.presets.w8a8(), (_tokens(2, 6),), capture="export")
+    assert get_graph_meta(prepared).dynamic_axes == {"tokens": {0: "batch", 1: "sequence"}}
+    co.calibrate(prepared, [_tokens(4, 6), _tokens(3, 11, seed=1)], progress=False)  # sequence 11 is symbolic
+    converted = co.convert(prepared)
+    path = co.export_onnx(converted, (_tokens(2, 9),), tmp_path / "m.onnx")
+    assert co.verify_onnx(converted, path, [_tokens(5, 13)]).ok
+    float_tokens = _tokens(2, 6).float()
+    message = ("input 'tokens' is float32 of shape (2, 6) but the example input given to prepare was int64 of shape "
+               "(2, 6); pass inputs of that dtype and rank (only the batch dimension is free)")
+    _assert_refused_everywhere(float_tokens, prepared, converted, path, message)

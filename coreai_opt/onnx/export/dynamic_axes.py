@@ -32,11 +32,6 @@ DynamicShapes = Mapping[str, Mapping[int, str] | None]
 BATCH = "batch"
 
 
-def _captured(model: nn.Module) -> dict[str, dict[int, str]] | None:
-    meta = get_graph_meta(model)
-    return meta.dynamic_axes if meta is not None else None
-
-
 def _checked_override(name: str, axes: Mapping[int, str] | None, rank: int) -> dict[int, str]:
     if axes is None:
         return {}
@@ -70,8 +65,9 @@ def input_axes(
     if unknown:
         raise ValueError(f"dynamic_shapes names {unknown}, which are not inputs of the graph (its inputs: "
                          f"{list(input_names)})")
-    captured = _captured(model)
-    arguments = list(getattr(model, "meta", {}).get("coreai_opt", {}).get("input_names", [])) if captured else []
+    meta = get_graph_meta(model)
+    captured = meta.dynamic_axes if meta is not None else None
+    arguments = list(meta.input_names) if captured else []
     axes: list[dict[int, str]] = []
     for i, (tensor, name) in enumerate(zip(inputs, input_names, strict=True)):
         if name in overrides:

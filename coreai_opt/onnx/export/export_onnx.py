@@ -45,7 +45,7 @@ from torch import nn
 
 from coreai_opt import third_party_noise
 from coreai_opt.error_boundary import public_api
-from coreai_opt.graph.graph_meta import get_graph_meta
+from coreai_opt.graph.graph_meta import get_graph_meta, output_leaves
 from coreai_opt.graph.node_meta import Role, get_meta
 from coreai_opt.onnx import rewrite
 from coreai_opt.onnx.export.dynamic_axes import (
@@ -120,20 +120,28 @@ def _names(given: Sequence[str] | None, default: list[str], count: int, what: st
 
 
 def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
-    with torch.no_grad():
-        outputs = eager_order(model)(*inputs)
-    pytree = torch.utils._pytree
-    leaves = pytree.tree_flatten_with_path(outputs)[0]
-    others = [(pytree.keystr(path), value) for path, value in leaves if not isinstance(value, torch.Tensor)]
-    if others:
-        where, value = others[0]
-        raise TypeError(
-            f"output{where} of the model is {value!r} ({type(value).__name__}), and an ONNX graph returns only tensors"
-            f"{f' ({len(others)} such outputs)' if len(others) > 1 else ''}; return only tensors from forward "
-            "(drop the non-tensor output, or wrap the model in a module that does)"
-        )
+    """The number of graph outputs, from the leaves recorded at capture (``GraphMeta.outputs``).
+
+    Only a module without that record (not captured by coreai_opt, saved before it existed) or one that returns no
+    leaf is run once to see its outputs.
+    """
+    meta = get_graph_meta(model)
+    leaves = meta.outputs if meta is not None else None
     if not leaves:
-        raise TypeError(f"the model must return a tensor or a (nested) tuple of tensors, got {type(outputs).__name__}")
+        with torch.no_grad():
+            outputs = eager_order(model)(*inputs)
+        leaves = output_leaves(outputs)
+        if not leaves:
+            raise TypeError(
+                f"the model must return a tensor or a (nested) tuple of tensors, got {type(outputs).__name__}"
+            )
+    others = [leaf for leaf in leaves if not leaf.is_tensor]
+    if others:
+        raise TypeError(
+            f"output{others[0].path} of the model is {others[0].value} ({others[0].type_name}), and an ONNX graph "
+            f"returns only tensors{f' ({len(others)} such outputs)' if len(others) > 1 else ''}; return only tensors "
+            "from forward (drop the non-tensor output, or wrap the model in a module that does)"
+        )
     return len(leaves)
 
 

@@ -1,14 +1,12 @@
-"""Checks at the start of ``export_onnx`` and ``verify_onnx``: the inputs fit what ``prepare`` recorded.
+"""Checks at the start of ``export_onnx`` that go beyond :func:`~coreai_opt.api.internals.input_checks.check_inputs`.
 
-Without them the exporter or onnxruntime fail deep inside with errors that name neither the input nor the fix
-(``mat1 and mat2 shapes cannot be multiplied``, ``indices element out of data bounds``, the onnx checker's
-``Duplicate definition``). Every check raises :class:`~coreai_opt.errors.InputValidationError` (a ``ValueError``):
+The inputs themselves (count, dtype, rank, shape of a torch.export capture, empty tensors, token ids) are checked by
+the one input check that ``calibrate`` and ``verify_onnx`` use too. Two checks are the exporter's own; both raise
+:class:`~coreai_opt.errors.InputValidationError`:
 
-* count, dtype, rank, empty tensors and token ids of every input
-  (:func:`coreai_opt.api.internals.input_checks.check_model_inputs`);
-* non-batch dimensions: a model captured with ``torch.export`` is specialised to the recorded ones; an FX-captured
-  model whose example differs is run once and a failure is reported with both shapes;
-* input and output names must differ (ONNX value names are unique).
+* an FX-captured model whose example differs from the recorded one outside the batch dimension is run once, and a
+  failure is reported with both shapes (instead of ``mat1 and mat2 shapes cannot be multiplied`` from the exporter);
+* input and output names must differ (ONNX value names are unique; the onnx checker says ``Duplicate definition``).
 """
 
 from __future__ import annotations
@@ -18,23 +16,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from coreai_opt.api.internals.input_checks import check_model_inputs, given_inputs, prepared_meta
+from coreai_opt.api.internals.input_checks import differing_shape, input_check
 from coreai_opt.errors import InputValidationError
 
-__all__ = ["check_export_inputs", "check_io_names", "check_verify_batches"]
+__all__ = ["check_export_inputs", "check_io_names"]
 
-
-def _differing_shape(model: nn.Module, inputs: Sequence[Tensor]) -> tuple[str, tuple[int, ...], list[int]] | None:
-    """The first input whose non-batch dimensions differ from the example given to prepare, if any."""
-    meta = prepared_meta(model)
-    if meta is None:
-        return None
-    given = given_inputs(list(meta.get("input_names", [])), inputs, {})
-    for spec in meta.get("input_specs", []):
-        value = given.get(spec["name"])
-        if isinstance(value, Tensor) and list(value.shape[1:]) != list(spec["shape"][1:]):
-            return spec["name"], tuple(value.shape), list(spec["shape"])
-    return None
+_WHERE = "export_onnx example_inputs"
 
 
 def check_export_inputs(model: nn.Module, inputs: Sequence[Tensor]) -> None:
@@ -43,25 +30,21 @@ def check_export_inputs(model: nn.Module, inputs: Sequence[Tensor]) -> None:
     Raises:
         InputValidationError: naming the input, the recorded dtype / shape and the fix.
     """
-    check_model_inputs(model, inputs, "export_onnx example_inputs")
-    differing = _differing_shape(model, inputs)
+    check = input_check(model)
+    if check is None:
+        return
+    check(inputs, {}, _WHERE)
+    differing = differing_shape(check.meta, check.given(inputs, {}))  # an export capture was refused above
     if differing is None:
         return
-    name, shape, recorded = differing
-    fix = f"pass example inputs of shape {tuple(recorded)} (only the batch dimension may change)"
-    meta = prepared_meta(model)
-    if meta is not None and meta.get("capture") == "export":
-        raise InputValidationError(
-            f"export_onnx example_inputs: input '{name}' has shape {shape} but the model was captured with "
-            f"torch.export for {tuple(recorded)}; {fix}"
-        )
+    spec, shape = differing
     try:
         with torch.no_grad():
             model(*inputs)
     except RuntimeError as exc:
         raise InputValidationError(
-            f"export_onnx example_inputs: the model fails on input '{name}' of shape {shape} (prepare had "
-            f"{tuple(recorded)}): {exc}; {fix}"
+            f"{_WHERE}: the model fails on input '{spec.name}' of shape {shape} (prepare had {spec.shape}): {exc}; "
+            f"pass example inputs of shape {spec.shape} (only the batch dimension may change)"
         ) from exc
 
 
@@ -78,13 +61,3 @@ def check_io_names(input_names: Sequence[str], output_names: Sequence[str]) -> N
             f"outputs {list(output_names)}); ONNX value names must be unique: pass output_names (or input_names) "
             "with different names"
         )
-
-
-def check_verify_batches(model: nn.Module, batches: Sequence[Sequence[Tensor]]) -> None:
-    """Check every ``verify_onnx`` batch like :func:`check_export_inputs` checks dtypes, ranks and token ids.
-
-    Raises:
-        InputValidationError: naming the batch, the input and the fix.
-    """
-    for index, batch in enumerate(batches):
-        check_model_inputs(model, batch, f"verify_onnx batch {index}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from coreai_opt.graph.graph_meta import GraphMeta, get_graph_meta
+from coreai_opt.graph.graph_meta import get_graph_meta
 from coreai_opt.onnx.export.opset import QuantizerUse
 from coreai_opt.quantization.fake_quantize.bias_fake_quantize import BiasFakeQuantize
 from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
@@ -13,10 +13,6 @@ from coreai_opt.quantization.spec.granularity import PerBlock
 __all__ = ["converted_quantizers", "quantizer_uses"]
 
 _CONVERT_HINT = "call coreai_opt.convert(prepared) and export the model it returns"
-
-
-def _coreai_meta(model: nn.Module) -> GraphMeta | None:
-    return get_graph_meta(model)
 
 
 def converted_quantizers(model: nn.Module) -> list[nn.Module]:
@@ -32,7 +28,7 @@ def converted_quantizers(model: nn.Module) -> list[nn.Module]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"export needs the torch.nn.Module returned by coreai_opt.convert, got {type(model).__name__}")
-    meta = _coreai_meta(model)
+    meta = get_graph_meta(model)
     if meta is not None and meta.converted is not True:
         raise ValueError(f"the model is prepared but not converted (gm.meta['coreai_opt']['converted'] is not True); "
                          f"{_CONVERT_HINT}")

@@ -41,11 +41,10 @@ from collections.abc import MutableMapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, read_report, record_report
-from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, run_rules
+from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, import_domains, run_rules
 from coreai_opt.onnx.rewrite.rules.clip_16bit_activations import ClipSixteenBitActivations
 from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.rules.drop_zero_biases import DropZeroBiases
@@ -54,7 +53,7 @@ from coreai_opt.onnx.rewrite.rules.fold_constant_activations import FoldConstant
 from coreai_opt.onnx.rewrite.rules.fold_pads_into_convs import FoldPadsIntoConvs
 from coreai_opt.onnx.rewrite.rules.fold_quantized_weights import FoldQuantizedWeights
 from coreai_opt.onnx.rewrite.rules.fold_weight_transposes import FoldWeightTransposes
-from coreai_opt.onnx.rewrite.rules.gather_block_quantized_rows import CONTRIB_DOMAIN, GatherBlockQuantizedRows
+from coreai_opt.onnx.rewrite.rules.gather_block_quantized_rows import GatherBlockQuantizedRows
 from coreai_opt.onnx.rewrite.rules.gather_quantized_rows import GatherQuantizedRows
 from coreai_opt.onnx.rewrite.rules.guard_4bit_activations import GuardFourBitActivations
 from coreai_opt.onnx.rewrite.rules.guard_float8_activations import GuardFloat8Activations
@@ -105,6 +104,5 @@ def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES,
     graph = OnnxGraph(model, precomputed)
     report = run_rules(rules, graph)
     graph.write_back()
-    if report.counts.get(GatherBlockQuantizedRows.name) and all(o.domain != CONTRIB_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))  # GatherBlockQuantized's opset
+    import_domains(model, rules, report)
     return report

@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN
 from coreai_opt.quantization.matmul_nbits.packing import PackedMatMulNBits, pack_matmul_nbits
 from coreai_opt.quantization.spec.matmul_compute import (
     block_size_problem,
@@ -29,10 +30,8 @@ from coreai_opt.quantization.spec.matmul_compute import (
     matmul_nbits_block_size,
 )
 
-__all__ = ["WeightDQ", "INT8_EMULATED_SUFFIX", "pack_weight", "matmul_nbits_node", "MATMUL_NBITS_DOMAIN"]
+__all__ = ["WeightDQ", "INT8_EMULATED_SUFFIX", "pack_weight", "matmul_nbits_node"]
 
-#: Domain of onnxruntime's contrib ops.
-MATMUL_NBITS_DOMAIN = "com.microsoft"
 #: Name suffix of the int8-compute ``MatMulNBits`` nodes this export writes (their input quantization is emulated
 #: by the eager model; :mod:`coreai_opt.onnx.verify.ort_kernels` reads it).
 INT8_EMULATED_SUFFIX = "_int8_emulated"
@@ -126,6 +125,6 @@ def matmul_nbits_node(packed: PackedMatMulNBits, a: str, names: tuple[str, str, 
     b, scales, zero_points = names
     inputs = [a, b, scales] + ([zero_points] if zero_points else [])
     name = node_name + (INT8_EMULATED_SUFFIX if entry.quantizes_activation else "")
-    return helper.make_node("MatMulNBits", inputs, [output], name=name, domain=MATMUL_NBITS_DOMAIN, K=packed.k,
+    return helper.make_node("MatMulNBits", inputs, [output], name=name, domain=CONTRIB_DOMAIN, K=packed.k,
                             N=packed.n, bits=packed.bits, block_size=packed.block_size,
                             accuracy_level=entry.accuracy_level)

@@ -14,25 +14,31 @@ once it edited the graph. A rule with ``matches_first`` is matched on every anch
 ran, and only then are its matches rewritten, in order (for decisions that must not see the rule's own earlier
 rewrites). A rule with ``restart_after_rewrite`` is rescanned
 from the first node after every rewrite until a full scan rewrites nothing; a rule with ``only_after = "name"`` runs
-only when that rule ran before it in the list and rewrote something.
+only when that rule ran before it in the list and rewrote something. A rule that writes ops of a domain other
+than the default one declares it in ``domains`` (``{domain: opset version}``); :func:`import_domains` adds those
+opset imports to the model after the rules ran, for each rule that rewrote something.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import onnx
+from onnx import helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, Skip, module_path
 
-__all__ = ["Rule", "Match", "Fail", "run_rules"]
+__all__ = ["Rule", "Match", "Fail", "run_rules", "import_domains", "CONTRIB_DOMAIN"]
 
 _LOG = logging.getLogger("coreai_opt.onnx.rewrite")
+
+#: Domain of onnxruntime's contrib ops (``MatMulNBits``, ``GatherBlockQuantized``).
+CONTRIB_DOMAIN = "com.microsoft"
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class Rule(ABC):
         matches_first: Match every anchor before rewriting any (decisions see the graph as it was).
         restart_after_rewrite: Rescan from the first node after each rewrite.
         only_after: Run only when the rule of that name ran earlier in the list and rewrote something.
+        domains: ``{domain: opset version}`` of the non-default ops the rule writes (imported by
+            :func:`import_domains` when it rewrote something).
     """
 
     name: ClassVar[str]
@@ -71,6 +79,7 @@ class Rule(ABC):
     matches_first: ClassVar[bool] = False
     restart_after_rewrite: ClassVar[bool] = False
     only_after: ClassVar[str | None] = None
+    domains: ClassVar[Mapping[str, int]] = {}
 
     @abstractmethod
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> Match | Fail | None:
@@ -137,3 +146,13 @@ def run_rules(rules: Sequence[Rule], graph: OnnxGraph) -> RewriteReport:
         skipped += misses
         _LOG.debug("%s: %d rewrite(s), %d near miss(es)", rule.name, count, len(misses))
     return RewriteReport(counts, tuple(skipped))
+
+
+def import_domains(model: onnx.ModelProto, rules: Sequence[Rule], report: RewriteReport) -> None:
+    """Import the opset of each domain declared by a rule that rewrote something (rule order; once per domain)."""
+    for rule in rules:
+        if not report.counts.get(rule.name):
+            continue
+        for domain, version in rule.domains.items():
+            if all(o.domain != domain for o in model.opset_import):
+                model.opset_import.append(helper.make_opsetid(domain, version))

@@ -32,8 +32,8 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt.api.internals.input_checks import input_check
 from coreai_opt.error_boundary import public_api
-from coreai_opt.onnx.export.input_validation import check_verify_batches
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import QdqView
 from coreai_opt.onnx.verify.fusion_report import FusionReport, fusion_report, optimized_model
@@ -335,7 +335,10 @@ def verify_onnx(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be the converted torch.nn.Module that was exported, got {type(model).__name__}")
     batches = _batches(inputs)
-    check_verify_batches(model, batches)
+    check = input_check(model)
+    if check is not None:
+        for index, batch in enumerate(batches):
+            check(batch, {}, f"verify_onnx batch {index}")
     _refuse_empty(batches)
     graph_model = onnx.load(str(path), load_external_data=False)  # released before the eager forwards
     file_inputs = graph_input_names(graph_model.graph)

@@ -185,3 +185,18 @@ def test_auto_quantize_wraps_a_foreign_error_from_the_data_naming_itself(tiny):
     with pytest.raises(UnexpectedError, match=r"^coreai_opt auto_quantize failed") as info:
         co.auto_quantize(model, bad, (batches[0],), cost_table=table(), smooth=False, progress=False)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_auto_quantize_takes_data_and_still_accepts_calibration_data_with_a_deprecation_warning(tiny):
+    model, batches = tiny
+    options = {"example_inputs": (batches[0],), "cost_table": table(), "smooth": False, "progress": False}
+    new = co.auto_quantize(model, data=batches, **options)
+    with pytest.warns(DeprecationWarning, match=r"^auto_quantize\(calibration_data=\.\.\.\) is deprecated; pass "
+                                                r"data=\.\.\. \(same meaning\)$") as record:
+        old = co.auto_quantize(model, calibration_data=batches, **options)
+    assert [w.filename for w in record if w.category is DeprecationWarning] == [__file__]  # the caller's line
+    assert [u.choice for u in old.report.units] == [u.choice for u in new.report.units]
+    assert old.report.measured_error == new.report.measured_error
+    with pytest.raises(TypeError, match=r"^auto_quantize\(\) got both data= and calibration_data= \(its deprecated "
+                                        r"name\); pass data= only$"):
+        co.auto_quantize(model, batches, calibration_data=batches, **options)

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from coreai_opt.onnx.rewrite import POST_PASSES, Fail, Match, OnnxGraph, Rule, apply
 from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, Skip, module_path, read_report, record_report
+from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN
 from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.rules.linears_to_gemm import LinearsToGemm
 
@@ -149,3 +150,30 @@ def test_module_path_keeps_the_names_of_the_exporter_namespace() -> None:
     namespace = ": m.Wrapper/fc1: torch.nn.modules.linear.Linear/linear: aten.linear.default"
     node.metadata_props.add(key="namespace", value=namespace)
     assert module_path(node) == "fc1/linear"
+
+
+class _DropIdentitiesWritingContrib(_DropIdentities):
+    name = "drop_identities_contrib"
+    domains = {CONTRIB_DOMAIN: 1}
+
+
+class _AlsoContrib(_DropIdentitiesWritingContrib):
+    name = "drop_identities_contrib_again"
+
+
+def test_a_rule_that_rewrote_imports_the_domains_it_declares_once_and_one_that_did_not_imports_none() -> None:
+    model = _chain(["a", "b"])
+    apply(model, [_DropIdentitiesWritingContrib(), _AlsoContrib()])  # the second finds nothing left to drop
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 18), (CONTRIB_DOMAIN, 1)]
+    imported = _chain(["a", "b"])
+    imported.opset_import.insert(0, helper.make_opsetid(CONTRIB_DOMAIN, 1))  # already imported: not again
+    apply(imported, [_DropIdentitiesWritingContrib()])
+    assert [(o.domain, o.version) for o in imported.opset_import] == [(CONTRIB_DOMAIN, 1), ("", 18)]
+    untouched = _chain(["only"])  # its one Identity produces the graph output: a near miss, no rewrite
+    apply(untouched, [_DropIdentitiesWritingContrib()])
+    assert [(o.domain, o.version) for o in untouched.opset_import] == [("", 18)]
+
+
+def test_the_contrib_writing_post_passes_declare_the_contrib_domain_and_no_other_rule_declares_one() -> None:
+    assert {rule.name: dict(rule.domains) for rule in POST_PASSES if rule.domains} == {
+        "write_matmul_nbits": {CONTRIB_DOMAIN: 1}, "gather_block_quantized_rows": {CONTRIB_DOMAIN: 1}}

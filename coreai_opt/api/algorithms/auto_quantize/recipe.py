@@ -13,7 +13,7 @@ The recipe (each step a public function)::
 
 Only linears and convolutions are quantized (the other ops stay float), so the returned ``config`` is
 ``QuantizerConfig(weight=None, activation=None)`` plus one ``module_name`` entry per layer, and
-``prepare(result.model, result.config, example_inputs)`` + ``calibrate(·, calibration_data)`` + ``convert`` rebuilds
+``prepare(result.model, result.config, example_inputs)`` + ``calibrate(·, data)`` + ``convert`` rebuilds
 ``result.converted`` exactly. ``result.model`` is the float model after outlier migration (the input model when
 nothing was smoothed).
 """
@@ -50,6 +50,7 @@ from coreai_opt.api.algorithms.calibration_search import search_calibration
 from coreai_opt.api.algorithms.smooth_quant import smooth_quant
 from coreai_opt.api.calibrate import calibrate
 from coreai_opt.api.convert import convert
+from coreai_opt.api.internals.renamed_keywords import renamed_keyword
 from coreai_opt.api.prepare import prepare
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
@@ -153,10 +154,11 @@ def _check(max_error: float, candidates: Sequence[str], batches: list[Any]) -> N
         raise ValueError("auto_quantize needs at least one calibration batch")
 
 
+@renamed_keyword("calibration_data", "data")
 @public_api
 def auto_quantize(
     model: nn.Module,
-    calibration_data: Iterable[Any],
+    data: Iterable[Any],
     example_inputs: tuple[Any, ...],
     *,
     eval_data: Iterable[Any] | None = None,
@@ -172,7 +174,8 @@ def auto_quantize(
 
     Args:
         model: The float model (not modified), in eval mode.
-        calibration_data: Batches as for ``calibrate``; without ``eval_data`` every fourth batch is held out to
+        data: Calibration batches as for ``calibrate`` (``calibration_data=``, its old name, still works with a
+            ``DeprecationWarning``); without ``eval_data`` every fourth batch is held out to
             measure errors (module docstring of :mod:`coreai_opt.api.algorithms.auto_quantize.error`).
         example_inputs: Positional example inputs (as for ``prepare``); latencies are estimated at their shape.
         eval_data: Batches to measure the errors on instead of the held-out split.
@@ -192,7 +195,7 @@ def auto_quantize(
         ValueError: bad ``max_error`` / ``candidates``, no calibration data, or no linear / conv to quantize.
     """
     start = time.perf_counter()
-    batches = list(calibration_data)
+    batches = list(data)
     candidates = tuple(candidates)
     _check(max_error, candidates, batches)
     if eval_data is None:

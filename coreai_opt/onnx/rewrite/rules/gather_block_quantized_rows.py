@@ -50,13 +50,11 @@ from onnx import TensorProto, helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
 from coreai_opt.onnx.rewrite.qdq import QdqView
-from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule
+from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN, Fail, Match, Rule
 from coreai_opt.quantization.matmul_nbits.packing import pack_matmul_nbits
 
-__all__ = ["GatherBlockQuantizedRows", "CONTRIB_DOMAIN"]
+__all__ = ["GatherBlockQuantizedRows"]
 
-#: Domain of onnxruntime's contrib ops (``GatherBlockQuantized``).
-CONTRIB_DOMAIN = "com.microsoft"
 #: Table types the rule reads -> (bits, signed).
 _TABLE_TYPES = {TensorProto.INT4: (4, True), TensorProto.UINT4: (4, False), TensorProto.INT8: (8, True),
                 TensorProto.UINT8: (8, False)}
@@ -86,6 +84,7 @@ class GatherBlockQuantizedRows(Rule):
 
     name = "gather_block_quantized_rows"
     anchors = frozenset({"DequantizeLinear"})
+    domains = {CONTRIB_DOMAIN: 1}
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
         """A constant per-block table's ``DequantizeLinear`` read by at least one ``Gather``."""

@@ -24,9 +24,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
-from coreai_opt.onnx.rewrite.matmul_nbits_weight import MATMUL_NBITS_DOMAIN, WeightDQ, matmul_nbits_node, pack_weight
+from coreai_opt.onnx.rewrite.matmul_nbits_weight import WeightDQ, matmul_nbits_node, pack_weight
 from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport
-from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, run_rules
+from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN, Fail, Match, Rule, import_domains, run_rules
 from coreai_opt.quantization.matmul_nbits.int8_compute_op import INT8_COMPUTE_DOMAIN, INT8_COMPUTE_MARKER
 from coreai_opt.quantization.matmul_nbits.packing import PackedMatMulNBits
 
@@ -82,6 +82,7 @@ class WriteMatMulNBits(Rule):
 
     name = "write_matmul_nbits"
     anchors = frozenset({"MatMul", "Gemm"})
+    domains = {CONTRIB_DOMAIN: 1}
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
         """A linear whose weight is a constant 4- / 8-bit DequantizeLinear and whose input is no 8-bit activation."""
@@ -128,7 +129,7 @@ class WriteMatMulNBits(Rule):
 
 
 def finish_matmul_nbits(model: onnx.ModelProto, report: RewriteReport) -> None:
-    """Refuse unconsumed int8-compute markers; declare the contrib opset, drop the marker opset.
+    """Refuse unconsumed int8-compute markers; drop the marker opset (the rule declares the contrib one).
 
     Raises:
         UnconsumedInt8ComputeError: an int8-compute marker is left (names the linear and the reason).
@@ -147,8 +148,6 @@ def finish_matmul_nbits(model: onnx.ModelProto, report: RewriteReport) -> None:
             f"be written as MatMulNBits: {'; '.join(lines)}. Quantize those layers with matmul_compute='float' (e.g. "
             "a module_name override) or with a weight MatMulNBits stores")
     kept = [o for o in model.opset_import if o.domain != INT8_COMPUTE_DOMAIN]
-    if report.counts.get(WriteMatMulNBits.name) and not any(o.domain == MATMUL_NBITS_DOMAIN for o in kept):
-        kept.append(helper.make_opsetid(MATMUL_NBITS_DOMAIN, 1))
     del model.opset_import[:]
     model.opset_import.extend(kept)
 
@@ -160,8 +159,10 @@ def write_matmul_nbits(model: onnx.ModelProto) -> tuple[int, list[tuple[str, str
         ``(sites rewritten, near misses as (node name, reason))``.
     """
     graph = OnnxGraph(model)
-    report = run_rules([WriteMatMulNBits()], graph)
+    rules = [WriteMatMulNBits()]
+    report = run_rules(rules, graph)
     graph.write_back()
+    import_domains(model, rules, report)
     finish_matmul_nbits(model, report)
     misses = [(s.node, s.reason) for s in report.skipped]
     return report.counts[WriteMatMulNBits.name], misses
