@@ -119,3 +119,19 @@ def test_compare_counts_a_flip_inside_the_tolerance_as_a_near_tie_and_fails_a_de
     decisive = np.array([[1.0, 0.999, -1.0], [1.9, 1.95, -1.0]], dtype=np.float32)  # row 1 margin 2.0 flips
     result = _compare("logits", [ref], [decisive], None)
     assert (result.argmax_agreement, result.argmax_flips_within_tolerance, result.ok) == (0.5, 0, False)
+
+
+def test_compare_judges_token_agreement_of_b_t_v_logits_per_token():
+    """[B, T, V] logits: top-1 agreement over B·T tokens, near ties (margin within 2x tolerance) forgiven."""
+    from coreai_opt.onnx.verify.verify_onnx import _compare
+
+    ref = np.array([[[1.0, 0.999, -1.0], [2.0, 0.0, -1.0]],
+                    [[0.0, 3.0, 1.0], [0.5, 0.0, 0.0]]], dtype=np.float32)  # B=2, T=2, V=3
+    near_tie = ref.copy()
+    near_tie[0, 0] = [0.998, 0.9995, -1.0]  # token (0, 0): margin 0.001, inside 2 x 0.02 x range
+    result = _compare("logits", [ref], [near_tie], None)
+    assert (result.argmax_agreement, result.argmax_flips_within_tolerance, result.ok) == (0.75, 1, True)
+    decisive = ref.copy()
+    decisive[1, 1] = [0.45, 0.5, 0.0]  # token (1, 1): eager margin 0.5, no near tie
+    result = _compare("logits", [ref], [decisive], None)
+    assert result.argmax_agreement == 0.75 and result.argmax_flips_within_tolerance == 0 and not result.ok

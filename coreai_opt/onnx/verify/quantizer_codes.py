@@ -178,6 +178,8 @@ def _feeding(graph: OnnxGraph, tensor: str, boundaries: set[str]) -> tuple[str, 
 def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
            kernels: str, allowed_steps: float, upstream_mismatch: float) -> QuantizerCodes | None:
     y, scale, zero_point = (t.double().numpy() for t in eager)
+    if y.shape != got.shape and y.size == got.size and scale.size == 1:
+        y = y.reshape(got.shape)  # a linear on [B, T, D] exported as Reshape -> Gemm quantizes the [B·T, D] view
     if got.dtype.kind not in "iu" or tuple(y.shape) != got.shape or b.scale is None or scale.size != b.scale.size:
         return None  # float8 codes, or not the same tensor (an op the exporter rewrote)
     file_zp = b.zero_point if b.zero_point is not None else np.zeros_like(b.scale)
