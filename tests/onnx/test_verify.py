@@ -74,7 +74,7 @@ def test_verify_onnx_uses_relative_tolerance_for_float_outputs(two_outputs: tupl
     assert floating.max_abs_diff <= FLOAT_PRECISION * floating.reference_range
     # x + DequantizeLinear(weight): one exact Add after a constant, so both outputs must match bit for bit
     assert (quantized.rule, floating.rule) == ("exact", "exact") and floating.tolerance == 0.0
-    assert report.argmax_agreement is None  # 3-D outputs are not classifier-shaped
+    assert report.argmax_agreement == 1.0  # [B, T, V]-shaped outputs: top-1 per token over the last axis
     assert report.bit_exact and report.ok
 
 
@@ -82,7 +82,8 @@ def test_verify_onnx_str_is_a_table_with_fusion_report(mlp: tuple[nn.Module, Pat
     model, path = mlp
     text = str(verify_onnx(model, path, torch.randn(4, 64)))
     lines = text.splitlines()
-    assert lines[0].startswith("ONNX verification of mlp.onnx: 1 batch(es), 4 sample(s), ok=True")
+    assert lines[0].startswith("ONNX verification of mlp.onnx: 1 batch(es), 4 sample(s), 3 quantizer(s) compared "
+                               "(0 failing), ok=True")
     assert lines[1].split() == ["output", "shape", "max", "|diff|", "steps", "allowed", "argmax", "agree", "ok"]
     assert lines[2].split()[0] == "output" and lines[2].split()[-1] == "True"
     # two requantising integer kernels (fc1 and fc2 as QGemm) between the input quantizer and the output

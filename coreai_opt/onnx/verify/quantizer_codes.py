@@ -12,7 +12,8 @@ kernel class that judged it when all held):
 
 1. ``qparams``: the file's scale and zero point equal eager's (float32 scale, relative ``1e-6``). They are
    written from the same buffers, so any difference is a defect, whether or not it moves a code.
-2. ``steps``: ``max_abs`` within the derived path bound (:func:`coreai_opt.onnx.verify.tolerance.tensor_bounds`).
+2. ``steps``: ``max_abs`` within the derived path bound (:func:`coreai_opt.onnx.verify.tolerance.tensor_bounds`;
+   not judged behind an int8-compute ``MatMulNBits``, whose bound counts that layer's int8 steps instead).
 3. ``mismatch``: ``1 - identical ≤ base[class] + gain[class] · p_in + 3 / n``, where ``p_in`` is the largest
    ``1 - identical`` of the quantizers this one reads (:data:`MISMATCH_EXACT` / :data:`MISMATCH_INTEGER` /
    :data:`MISMATCH_FLOAT`, :data:`MISMATCH_GAIN`, :data:`MISMATCH_SLACK_CODES`). A quantizer may inherit what
@@ -180,7 +181,8 @@ def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor
     y, scale, zero_point = (t.double().numpy() for t in eager)
     if y.shape != got.shape and y.size == got.size and scale.size == 1:
         y = y.reshape(got.shape)  # a linear on [B, T, D] exported as Reshape -> Gemm quantizes the [B·T, D] view
-    if got.dtype.kind not in "iu" or tuple(y.shape) != got.shape or b.scale is None or scale.size != b.scale.size:
+    float8 = b.zero_point is not None and b.zero_point.dtype.kind not in "iu"  # float8 bits arrive as uint8
+    if float8 or got.dtype.kind not in "iu" or y.shape != got.shape or b.scale is None or scale.size != b.scale.size:
         return None  # float8 codes, or not the same tensor (an op the exporter rewrote)
     file_zp = b.zero_point if b.zero_point is not None else np.zeros_like(b.scale)
     qparams_match = bool(np.allclose(b.scale.reshape(-1).astype(np.float64), scale.reshape(-1), rtol=1e-6, atol=0)
@@ -218,7 +220,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
 
     Returns:
         One :class:`QuantizerCodes` per activation quantizer with integer codes, in graph order (empty when the
-        file has none, e.g. weight-only presets).
+        file has none, e.g. weight-only presets; float8 quantizers are left to the output comparison).
     """
     import onnxruntime as ort
 
@@ -245,7 +247,10 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     results = []
     for b, got in zip(boundaries, values, strict=True):
         kernels, feeding = _feeding(graph, b.tensor, boundary_tensors - {b.tensor})
-        allowed = float(bounds[b.tensor].steps) if b.tensor in bounds else float("inf")
+        bound = bounds.get(b.tensor)
+        # behind an int8-compute MatMulNBits the path bound counts that layer's own int8 steps, not this quantizer's
+        derived = bound is not None and bound.int8_layer is None and not bound.int8_codes
+        allowed = float(bound.steps) if derived else float("inf")
         upstream = max((mismatch.get(t, 0.0) for t in feeding), default=0.0)
         codes = _judge(b, got, recorder.calls[b.call], kernels, allowed, upstream)
         if codes is not None:
