@@ -74,7 +74,7 @@ def test_verify_onnx_uses_relative_tolerance_for_float_outputs(two_outputs: tupl
     assert floating.max_abs_diff <= FLOAT_PRECISION * floating.reference_range
     # x + DequantizeLinear(weight): one exact Add after a constant, so both outputs must match bit for bit
     assert (quantized.rule, floating.rule) == ("exact", "exact") and floating.tolerance == 0.0
-    assert report.argmax_agreement is None  # 3-D outputs are not classifier-shaped
+    assert report.argmax_agreement == 1.0  # [B, T, V]-shaped outputs: top-1 per token over the last axis
     assert report.bit_exact and report.ok
 
 
@@ -82,7 +82,8 @@ def test_verify_onnx_str_is_a_table_with_fusion_report(mlp: tuple[nn.Module, Pat
     model, path = mlp
     text = str(verify_onnx(model, path, torch.randn(4, 64)))
     lines = text.splitlines()
-    assert lines[0].startswith("ONNX verification of mlp.onnx: 1 batch(es), 4 sample(s), ok=True")
+    assert lines[0].startswith("ONNX verification of mlp.onnx: 1 batch(es), 4 sample(s), 3 quantizer(s) compared "
+                               "(0 failing), ok=True")
     assert lines[1].split() == ["output", "shape", "max", "|diff|", "steps", "allowed", "argmax", "agree", "ok"]
     assert lines[2].split()[0] == "output" and lines[2].split()[-1] == "True"
     # two requantising integer kernels (fc1 and fc2 as QGemm) between the input quantizer and the output
@@ -119,3 +120,19 @@ def test_compare_counts_a_flip_inside_the_tolerance_as_a_near_tie_and_fails_a_de
     decisive = np.array([[1.0, 0.999, -1.0], [1.9, 1.95, -1.0]], dtype=np.float32)  # row 1 margin 2.0 flips
     result = _compare("logits", [ref], [decisive], None)
     assert (result.argmax_agreement, result.argmax_flips_within_tolerance, result.ok) == (0.5, 0, False)
+
+
+def test_compare_judges_token_agreement_of_b_t_v_logits_per_token():
+    """[B, T, V] logits: top-1 agreement over B·T tokens, near ties (margin within 2x tolerance) forgiven."""
+    from coreai_opt.onnx.verify.verify_onnx import _compare
+
+    ref = np.array([[[1.0, 0.999, -1.0], [2.0, 0.0, -1.0]],
+                    [[0.0, 3.0, 1.0], [0.5, 0.0, 0.0]]], dtype=np.float32)  # B=2, T=2, V=3
+    near_tie = ref.copy()
+    near_tie[0, 0] = [0.998, 0.9995, -1.0]  # token (0, 0): margin 0.001, inside 2 x 0.02 x range
+    result = _compare("logits", [ref], [near_tie], None)
+    assert (result.argmax_agreement, result.argmax_flips_within_tolerance, result.ok) == (0.75, 1, True)
+    decisive = ref.copy()
+    decisive[1, 1] = [0.45, 0.5, 0.0]  # token (1, 1): eager margin 0.5, no near tie
+    result = _compare("logits", [ref], [decisive], None)
+    assert result.argmax_agreement == 0.75 and result.argmax_flips_within_tolerance == 0 and not result.ok

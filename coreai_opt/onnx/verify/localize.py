@@ -100,7 +100,9 @@ class Divergence:
 
 
 @dataclass(frozen=True)
-class _Boundary:
+class Boundary:
+    """One compared tensor: its producing node, module path, traced call index and (quantizers) qparams and axis."""
+
     tensor: str
     node: onnx.NodeProto
     module: str
@@ -124,9 +126,10 @@ def _initializer(graph: OnnxGraph, name: str) -> np.ndarray | None:
     return numpy_helper.to_array(tensor) if tensor is not None else None
 
 
-def _quantizer_boundaries(model: onnx.ModelProto) -> list[_Boundary]:
+def quantizer_boundaries(model: onnx.ModelProto) -> list[Boundary]:
+    """Every activation ``QuantizeLinear`` traced from a ``coreai_opt::quantize_dequantize`` call, in graph order."""
     graph = OnnxGraph(model)
-    found: list[_Boundary] = []
+    found: list[Boundary] = []
     for node in graph.nodes:
         if node.op_type != "QuantizeLinear" or graph.initializer(node.input[0]) is not None:
             continue
@@ -136,12 +139,12 @@ def _quantizer_boundaries(model: onnx.ModelProto) -> list[_Boundary]:
             continue
         zero_point = _initializer(graph, node.input[2]) if len(node.input) > 2 else None
         axis = next((int(a.i) for a in node.attribute if a.name == "axis"), 1)
-        found.append(_Boundary(node.output[0], node, _module_of(next(s for s in spaces if _CALL.search(s))),
+        found.append(Boundary(node.output[0], node, _module_of(next(s for s in spaces if _CALL.search(s))),
                                int(match.group(1) or 0), _initializer(graph, node.input[1]), zero_point, axis))
     return found
 
 
-def _layer_boundaries(model: onnx.ModelProto, modules: set[str]) -> list[_Boundary]:
+def _layer_boundaries(model: onnx.ModelProto, modules: set[str]) -> list[Boundary]:
     """The last node of each contiguous run of nodes in a weighted module's scope (one run per call)."""
     runs: list[tuple[str, onnx.NodeProto]] = []
     for node in model.graph.node:
@@ -154,7 +157,7 @@ def _layer_boundaries(model: onnx.ModelProto, modules: set[str]) -> list[_Bounda
     calls: Counter[str] = Counter()
     found = []
     for module, node in runs:
-        found.append(_Boundary(node.output[0], node, module, calls[module]))
+        found.append(Boundary(node.output[0], node, module, calls[module]))
         calls[module] += 1
     return found
 
@@ -249,7 +252,8 @@ def _kernel_counts(path: Path) -> Counter[str]:
     return Counter(n.op_type for n in graph.node if (k := kernel_numerics(n)) is None or k.status is not Status.EXACT)
 
 
-def _instrumented(model: onnx.ModelProto, tensors: list[str], directory: Path) -> Path:
+def instrumented_copy(model: onnx.ModelProto, tensors: list[str], directory: Path) -> Path:
+    """Save a copy of ``model`` with ``tensors`` added as graph outputs into ``directory``; return its path."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     existing = {o.name for o in copy.graph.output}
@@ -295,7 +299,7 @@ def _classify(kernels: Counter[str], optimized: onnx.ModelProto) -> str:
             "(was it exported from this model?)")
 
 
-def _steps_apart(b: _Boundary, eager: torch.Tensor, got: np.ndarray) -> float:
+def _steps_apart(b: Boundary, eager: torch.Tensor, got: np.ndarray) -> float:
     x = eager.detach().double().numpy()
     scale = b.scale.astype(np.float64)
     zero_point = (b.zero_point if b.zero_point is not None else np.zeros_like(scale)).astype(np.float64)
@@ -333,7 +337,7 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
         raise FileNotFoundError(f"localize_divergence: no ONNX file at {path}; pass the path export_onnx returned")
     batch = inputs if isinstance(inputs, tuple) else (inputs,)
     exported = onnx.load(str(path))
-    boundaries, kind = _quantizer_boundaries(exported), "quantizer"
+    boundaries, kind = quantizer_boundaries(exported), "quantizer"
     if boundaries:
         eager_calls = _eager_quantizer_outputs(model, batch)
         eager = {b.tensor: eager_calls[b.call] for b in boundaries if b.call < len(eager_calls)}
@@ -350,7 +354,7 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
     int8_inputs = int8_layer_inputs(exported) if kind == "layer" else {}
     tensors = list(dict.fromkeys([b.tensor for b in boundaries] + list(int8_inputs.values())))
     with tempfile.TemporaryDirectory(prefix="coreai_opt_localize_") as tmp:
-        instrumented = _instrumented(exported, tensors, Path(tmp))
+        instrumented = instrumented_copy(exported, tensors, Path(tmp))
         session = ort.InferenceSession(str(instrumented), providers=list(providers))
         names = [i.name for i in session.get_inputs()]
         computed = dict(zip(tensors, session.run(tensors, {n: t.numpy() for n, t in zip(names, batch, strict=True)}),

@@ -16,8 +16,18 @@ its :class:`OutputComparison` and in ``str(report)``:
   tolerated difference, so either answer is consistent with it). Such flips are counted in
   ``argmax_flips_within_tolerance``; ``argmax_agreement`` always reports the raw fraction over all rows.
 
-When an output fails, :func:`coreai_opt.onnx.verify.localize.localize_divergence` names the first quantizer (or layer)
-where eager and onnxruntime part, and the report shows it.
+Inside the graph, every activation quantizer is judged on the first batch
+(:mod:`coreai_opt.onnx.verify.quantizer_codes`): the file's scale and zero point must equal eager's, and the codes
+onnxruntime computes must differ from eager's only as rounding does (sparse ±1 flips at ties, as many up as down,
+no more than the kernels before the quantizer and the differences it inherits explain).
+:attr:`VerificationReport.quantizers` holds each quantizer's statistics and the rule that judged it; ``ok`` needs
+every quantizer to pass as well as every output. An output with a class or vocabulary axis (``[N, C]``, or
+``[B, T, V]`` judged per token over the last axis) reports its top-1 agreement and fails on any flip whose eager
+margin is not a near tie.
+
+When an output or a quantizer fails, the first failing quantizer is named (:attr:`VerificationReport.divergence`:
+from :func:`coreai_opt.onnx.verify.localize.localize_divergence` when an output fails, else the first quantizer whose
+statistics fail).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from coreai_opt.onnx.verify.fusion_report import FusionReport, fusion_report, op
 from coreai_opt.onnx.verify.int8_compute_steps import int8_step_units
 from coreai_opt.onnx.verify.localize import Divergence, localize_divergence
 from coreai_opt.onnx.verify.output_steps import OutputStep, element_steps
+from coreai_opt.onnx.verify.quantizer_codes import QuantizerCodes, compare_quantizer_codes
 from coreai_opt.onnx.verify.runtimes import graph_input_names, open_runner
 from coreai_opt.onnx.verify.tolerance import FLOAT_PRECISION, OutputTolerance, derive_tolerances
 from coreai_opt.passes.sink_weight_quantizers import eager_order
@@ -72,7 +83,8 @@ class OutputComparison:
         step: Per-tensor quantization step of the output (None for a float or per-channel-quantized output).
         max_diff_steps: Largest difference divided by the (per-element) step, None for float outputs.
         reference_range: ``max(eager) - min(eager)``.
-        argmax_agreement: Fraction of rows whose argmax agrees (2-D ``[N, C>1]`` outputs), else None.
+        argmax_agreement: Fraction of rows whose argmax agrees (``[N, C>1]`` outputs; ``[B, T, V>1]`` outputs per
+            token over the last axis), else None.
         argmax_flips_within_tolerance: Rows whose argmax differs but whose eager top-2 margin is within twice
             the output tolerance (near ties), else 0.
         ok: Within the derived tolerance (and no decisive argmax flip).
@@ -110,6 +122,9 @@ class VerificationReport:
         fusion: onnxruntime's fusion report for the file.
         runtime: The runtime compared with eager (``"onnxruntime"`` or ``"openvino"``).
         divergence: Where eager and onnxruntime first part, when an output failed (None otherwise).
+        quantizers: Eager vs onnxruntime codes at every activation quantizer on the first batch, with the rule
+            that judged each (:class:`~coreai_opt.onnx.verify.quantizer_codes.QuantizerCodes`; empty for
+            weight-only files, OpenVINO or ``check_quantizers=False``).
     """
 
     path: Path
@@ -119,6 +134,12 @@ class VerificationReport:
     fusion: FusionReport
     runtime: str = "onnxruntime"
     divergence: Divergence | None = None
+    quantizers: tuple[QuantizerCodes, ...] = ()
+
+    @property
+    def first_failing_quantizer(self) -> QuantizerCodes | None:
+        """The first activation quantizer (graph order) whose codes or qparams fail their rule."""
+        return next((q for q in self.quantizers if not q.ok), None)
 
     @property
     def max_abs_diff(self) -> float:
@@ -138,8 +159,8 @@ class VerificationReport:
 
     @property
     def ok(self) -> bool:
-        """True when every output is within its derived tolerance."""
-        return all(o.ok for o in self.outputs)
+        """True when every output is within its derived tolerance and every activation quantizer passes."""
+        return all(o.ok for o in self.outputs) and all(q.ok for q in self.quantizers)
 
     def __str__(self) -> str:
         header = ("output", "shape", "max |diff|", "steps", "allowed", "argmax agree", "ok")
@@ -156,11 +177,16 @@ class VerificationReport:
         where = "" if self.runtime == "onnxruntime" else f" in {self.runtime}"
         title = (f"ONNX verification of {self.path.name}{where}: {self.num_batches} batch(es), "
                  f"{self.num_samples} sample(s)")
+        if self.quantizers:
+            failing = sum(not q.ok for q in self.quantizers)
+            title += f", {len(self.quantizers)} quantizer(s) compared ({failing} failing)"
         lines = [f"{title}, ok={self.ok}"]
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines += [f"  tolerance of {o.name} ({o.rule}): {o.reason}" for o in self.outputs]
         if self.divergence is not None:
             lines.append(f"  {self.divergence}")
+        if (first := self.first_failing_quantizer) is not None:
+            lines.append(f"  first failing quantizer: {first}")
         return "\n".join(lines) + "\n" + str(self.fusion)
 
 
@@ -278,11 +304,13 @@ def _compare(name: str, refs: list[np.ndarray], gots: list[np.ndarray], step: Ou
     else:
         ok = max_diff <= tol
     agreement, near_tie_flips = None, 0
-    if refs[0].ndim == 2 and refs[0].shape[1] > 1:  # classifier-shaped [N, C]
-        rows = sum(ref.shape[0] for ref in refs)
-        flips = [ref.argmax(1) != got.argmax(1) for ref, got in zip(refs, gots, strict=True)]
+    if refs[0].ndim in (2, 3) and refs[0].shape[-1] > 1:  # classes [N, C] or a vocabulary per token [B, T, V]
+        rows_of = [(ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])) for ref, got in zip(refs, gots,
+                                                                                                      strict=True)]
+        rows = sum(ref.shape[0] for ref, _ in rows_of)
+        flips = [ref.argmax(1) != got.argmax(1) for ref, got in rows_of]
         agreement = 1.0 - sum(int(f.sum()) for f in flips) / rows if rows else None
-        margins = [np.diff(np.sort(ref, axis=1)[:, -2:], axis=1)[:, 0] for ref in refs]  # eager top-1 minus top-2
+        margins = [np.diff(np.sort(ref, axis=1)[:, -2:], axis=1)[:, 0] for ref, _ in rows_of]  # top-1 minus top-2
         near_tie_flips = sum(int((f & (m <= 2 * tol)).sum()) for f, m in zip(flips, margins, strict=True))
         decisive_flips = sum(int(f.sum()) for f in flips) - near_tie_flips
         ok = ok and decisive_flips == 0
@@ -305,6 +333,7 @@ def verify_onnx(
     providers: Sequence[str] = ("CPUExecutionProvider",),
     runtime: str = "onnxruntime",
     localize: bool = True,
+    check_quantizers: bool = True,
 ) -> VerificationReport:
     """Compare a runtime on ``path`` with the eager ``model`` on the same inputs.
 
@@ -317,6 +346,8 @@ def verify_onnx(
         runtime: ``"onnxruntime"`` (default) or ``"openvino"`` (CPU, float32 inference precision; needs the
             ``openvino`` extra). The tolerances are derived from onnxruntime's kernels either way.
         localize: When an output fails (onnxruntime only), find the first diverging quantizer or layer.
+        check_quantizers: Compare codes and qparams at every activation quantizer on the first batch
+            (onnxruntime only; :mod:`coreai_opt.onnx.verify.quantizer_codes`).
 
     Returns:
         A :class:`VerificationReport`: per-output max abs diff, diff in output quantization steps, the derived
@@ -373,7 +404,11 @@ def verify_onnx(
         for k, name in enumerate(output_names)
     )
     num_samples = sum(int(b[0].shape[0]) if b[0].dim() else 1 for b in batches)
+    quantizers: tuple[QuantizerCodes, ...] = ()
+    if check_quantizers and runtime == "onnxruntime":
+        quantizers = compare_quantizer_codes(model, path, batches[0], providers=providers)
     divergence = None
     if localize and runtime == "onnxruntime" and not all(o.ok for o in outputs):
         divergence = localize_divergence(model, path, batches[0], providers=providers)
-    return VerificationReport(path, len(batches), num_samples, outputs, fusion_report(path), runtime, divergence)
+    return VerificationReport(path, len(batches), num_samples, outputs, fusion_report(path), runtime, divergence,
+                              quantizers)

@@ -1,0 +1,267 @@
+"""Codes at every activation quantizer, eager vs onnxruntime: statistics that separate rounding from defects.
+
+``verify_onnx`` runs a copy of the file with every activation ``QuantizeLinear`` output added as a graph output
+(the quantizer boundaries of :mod:`coreai_opt.onnx.verify.localize`) and records, in eager, every call of
+``coreai_opt::quantize_dequantize`` with its scale and zero point. Per quantizer, over ``n`` codes with
+``d = q_onnxruntime - q_eager`` (``q_eager = round(y / s) + z`` from eager's own output ``y`` and qparams):
+
+* ``identical = #(d = 0) / n``, ``within_one = #(|d| ≤ 1) / n``, ``mean_signed = Σd / n``, ``max_abs = max |d|``.
+
+A quantizer passes when all four rules hold (:attr:`QuantizerCodes.rule` names the first that failed, or the
+kernel class that judged it when all held):
+
+1. ``qparams``: the file's scale and zero point equal eager's (float32 scale, relative ``1e-6``). They are
+   written from the same buffers, so any difference is a defect, whether or not it moves a code.
+2. ``steps``: ``max_abs`` within the derived path bound (:func:`coreai_opt.onnx.verify.tolerance.tensor_bounds`;
+   plus :data:`FLOAT_EXTRA_STEPS` behind float kernels; not judged behind an int8-compute ``MatMulNBits``, whose
+   bound counts that layer's int8 steps instead).
+3. ``mismatch``: ``1 - identical ≤ base[class] + gain[class] · p_in + 3 / n``, where ``p_in`` is the largest
+   ``1 - identical`` of the quantizers this one reads (:data:`MISMATCH_EXACT` / :data:`MISMATCH_INTEGER` /
+   :data:`MISMATCH_FLOAT`, :data:`MISMATCH_GAIN`, :data:`MISMATCH_SLACK_CODES`). A quantizer may inherit what
+   the quantizers before it got wrong, but may add only what its own kernels can.
+4. ``bias`` (``exact`` and ``integer`` classes): ``|Σd| ≤ BIAS_Z · sqrt(Σd²) + 1`` when ``p_in ≤``
+   :data:`BIAS_MAX_UPSTREAM`. Float kernels are exempt: behind blocked int4 weights run in float they shift one way
+   (conv_transpose_decoder w4a8, first conv: 1.25 % of 131072 codes differ, Σd = -917, z = 23, clean file).
+   Legitimate differences are ±1 flips at rounding ties, as likely up as down, so ``Σd`` is a sum of ``Σd²`` signs
+   with standard deviation ``sqrt(Σd²)``; a defect shifts many codes the same way.
+
+Kernel classes, from the non-exact onnxruntime kernels between this quantizer and the quantizers it reads
+(:data:`coreai_opt.onnx.verify.ort_kernels.KERNELS`, onnxruntime's optimized graph of the instrumented copy):
+
+* ``exact``: none (moves, max-pooling, IEEE elementwise ops): codes can differ only where the inputs' do;
+* ``integer``: only integer kernels (``QLinearConv``, ``QGemm``, ``QLinearMatMul``, ``QLinearAdd``, ...): int32
+  accumulation requantised with a float multiplier against eager's float accumulation; a code differs only at a
+  rounding tie. Measured on the clean w8a8 zoo: 0 differing codes on resnet18, conv_transpose_decoder, shape_unpack,
+  conv1d_groupnorm; where inputs differ, mobilenet_v2's classifier goes from 0.84 % to 4.4 % (7 of 160 codes),
+  torch_transformer's attention from 1.4 % to 2.8 %;
+* ``float``: float kernels (``Conv``/``Gemm``/``MatMul`` left in float, e.g. behind blocked int4 weights,
+  ``LayerNormalization``, ``Softmax``, ``Gelu``, ...): accumulation order and transcendental approximations.
+  Measured: 5.7 % at resnet18 w4a8's first float conv with identical inputs, and growth from 3.5 % to 61 % at its
+  classifier;
+* ``16-bit``: 16-bit codes (``w8a16``): their step is so fine that float ulps upstream flip many codes (measured up
+  to 57 % differing on resnet18, within the derived step bound), so only rules 1 and 2 judge them.
+
+Measured against defects (``tests/onnx/test_verify_mutations.py``, w8a8 zoo): the first quantizer a defect reaches
+differs in 3 % (2 % of one weight's codes +3, shape_unpack) to 100 % of its codes, with qparams defects caught by
+rule 1 at the quantizer they were written into.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.verify.fusion_report import optimized_model
+from coreai_opt.onnx.verify.localize import Boundary, instrumented_copy, quantizer_boundaries
+from coreai_opt.onnx.verify.ort_kernels import Status, kernel_numerics
+from coreai_opt.onnx.verify.tolerance import tensor_bounds
+
+__all__ = ["QuantizerCodes", "compare_quantizer_codes", "MISMATCH_EXACT", "MISMATCH_INTEGER", "MISMATCH_FLOAT",
+           "MISMATCH_GAIN", "MISMATCH_SLACK_CODES", "BIAS_Z", "BIAS_MAX_UPSTREAM"]
+
+#: Allowed fraction of differing codes behind exact ops only.
+MISMATCH_EXACT = 0.01
+#: Allowed fraction of differing codes behind integer kernels.
+MISMATCH_INTEGER = 0.01
+#: Allowed fraction of differing codes behind float kernels.
+MISMATCH_FLOAT = 0.08
+#: Fraction of differing codes a quantizer may inherit per fraction differing at the quantizers it reads, by kernel
+#: class: moves pass differences on one for one; a dense integer layer spreads one flipped input over every output
+#: (measured 0.84 % -> 4.4 % at mobilenet_v2's classifier, w8a8); a float layer behind blocked int4 weights much more
+#: (3.5 % -> 61 % at resnet18's w4a8 classifier).
+MISMATCH_GAIN = {"exact": 1.5, "integer": 6.0, "float": 20.0, "16-bit": 0.0}
+#: Differing codes always allowed (a few ties decide several % of a 160-code classifier output).
+MISMATCH_SLACK_CODES = 3
+#: Standard deviations the signed sum of differences may reach (rule 4 of the module docstring).
+BIAS_Z = 6.0
+#: The bias rule judges only quantizers whose inputs differ in at most this fraction of codes: inherited differences
+#: are correlated (one flipped input moves many outputs the same way; measured z up to 9.5 on mobilenet_v2 w4a8).
+BIAS_MAX_UPSTREAM = 0.01
+#: Steps a float-kernel quantizer may exceed its path bound by (measured 4 against a bound of 3 at conv1d_groupnorm
+#: w4a8's GroupNorm -> SiLU quantizer behind a blocked-int4 conv run in float).
+FLOAT_EXTRA_STEPS = 1
+
+_ALLOWED = {"exact": MISMATCH_EXACT, "integer": MISMATCH_INTEGER, "float": MISMATCH_FLOAT, "16-bit": 1.0}
+
+
+@dataclass(frozen=True)
+class QuantizerCodes:
+    """Eager vs onnxruntime codes at one activation quantizer (module docstring for the rules).
+
+    Attributes:
+        call: The traced call, e.g. ``"quantize_dequantize_7"``.
+        module: Module path from the exporter's ``namespace`` metadata (``""`` for the top level).
+        node: The ``QuantizeLinear`` node and op type.
+        count: Codes compared.
+        identical: Fraction of identical codes.
+        within_one: Fraction within one step.
+        mean_signed: Mean of ``q_onnxruntime - q_eager`` in steps.
+        max_abs: Largest ``|q_onnxruntime - q_eager|``.
+        kernels: ``"exact"``, ``"integer"``, ``"float"`` (the kernels onnxruntime runs before it) or ``"16-bit"``.
+        allowed_steps: The derived path bound on ``max_abs``.
+        allowed_mismatch: The kernel class's allowed ``1 - identical``.
+        qparams_match: The file's scale and zero point equal eager's.
+        rule: The rule that failed (``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``), or ``"<kernels>
+            kernels"`` when it passed.
+        ok: Every rule holds.
+    """
+
+    call: str
+    module: str
+    node: str
+    count: int
+    identical: float
+    within_one: float
+    mean_signed: float
+    max_abs: float
+    kernels: str
+    allowed_steps: float
+    allowed_mismatch: float
+    qparams_match: bool
+    rule: str
+    ok: bool
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else f"FAILS rule {self.rule}"
+        return (f"{self.call} ({self.module or '<top>'}, {self.node}): {self.count} codes, "
+                f"{100 * self.identical:.2f}% identical, {100 * self.within_one:.2f}% within 1 step, mean "
+                f"{self.mean_signed:+.3f}, max {self.max_abs:g} (allowed {self.allowed_steps:g} steps, "
+                f"{100 * self.allowed_mismatch:g}% differing, {self.kernels} kernels), "
+                f"qparams {'match' if self.qparams_match else 'DIFFER'}: {verdict}")
+
+
+class _RecordQuantizeCalls(TorchDispatchMode):
+    """Records ``(output, scale, zero_point)`` of every ``coreai_opt::quantize_dequantize`` call, in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        result = func(*args, **(kwargs or {}))
+        if func is torch.ops.coreai_opt.quantize_dequantize.default:
+            self.calls.append((result.detach().clone(), args[1].detach().clone(), args[2].detach().clone()))
+        return result
+
+
+def _broadcast(values: np.ndarray, axis: int, ndim: int) -> np.ndarray:
+    if values.size == 1:
+        return values.reshape(())
+    shape = [1] * ndim
+    shape[axis % ndim] = -1
+    return values.reshape(shape)
+
+
+def _feeding(graph: OnnxGraph, tensor: str, boundaries: set[str]) -> tuple[str, set[str]]:
+    """(kernel class, boundary tensors read) of the ops computing ``tensor`` from the boundaries before it."""
+    seen, stack, entries, reached = set(), [tensor], [], set()
+    while stack:
+        node = graph.producer(stack.pop())
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        entry = kernel_numerics(node)
+        if entry is None or entry.status is not Status.EXACT:
+            entries.append(entry)
+        for name in node.input:
+            if name in boundaries:
+                reached.add(name)
+            elif name:
+                stack.append(name)
+    if not entries:
+        return "exact", reached
+    return ("integer" if all(e is not None and e.integer_output for e in entries) else "float"), reached
+
+
+def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+           kernels: str, allowed_steps: float, upstream_mismatch: float) -> QuantizerCodes | None:
+    y, scale, zero_point = (t.double().numpy() for t in eager)
+    if y.shape != got.shape and y.size == got.size and scale.size == 1:
+        y = y.reshape(got.shape)  # a linear on [B, T, D] exported as Reshape -> Gemm quantizes the [B·T, D] view
+    float8 = b.zero_point is not None and b.zero_point.dtype.kind not in "iu"  # float8 bits arrive as uint8
+    if float8 or got.dtype.kind not in "iu" or y.shape != got.shape or b.scale is None or scale.size != b.scale.size:
+        return None  # float8 codes, or not the same tensor (an op the exporter rewrote)
+    file_zp = b.zero_point if b.zero_point is not None else np.zeros_like(b.scale)
+    qparams_match = bool(np.allclose(b.scale.reshape(-1).astype(np.float64), scale.reshape(-1), rtol=1e-6, atol=0)
+                         and np.array_equal(file_zp.reshape(-1).astype(np.int64),
+                                            np.broadcast_to(zero_point, scale.shape).reshape(-1).astype(np.int64)))
+    s = _broadcast(scale.reshape(-1) if scale.size > 1 else scale, b.axis, y.ndim)
+    z = _broadcast(np.broadcast_to(zero_point, scale.shape).reshape(-1) if scale.size > 1 else zero_point, b.axis,
+                   y.ndim)
+    d = got.astype(np.int64) - (np.rint(y / s) + z).astype(np.int64)
+    n = max(d.size, 1)
+    identical, within_one = float((d == 0).sum()) / n, float((np.abs(d) <= 1).sum()) / n
+    total, energy = float(d.sum()), float((d * d).sum())
+    max_abs = float(np.abs(d).max(initial=0))
+    if got.dtype.itemsize > 1:  # 16-bit codes: float ulps upstream flip many of these fine steps (module docstring)
+        kernels = "16-bit"
+    allowed_mismatch = _ALLOWED[kernels] + MISMATCH_GAIN[kernels] * upstream_mismatch + MISMATCH_SLACK_CODES / n
+    unbiased = (kernels not in ("exact", "integer") or upstream_mismatch > BIAS_MAX_UPSTREAM
+                or abs(total) <= BIAS_Z * np.sqrt(energy) + 1.0)
+    allowed_steps += FLOAT_EXTRA_STEPS if kernels == "float" else 0
+    checks = (("qparams", qparams_match), ("steps", max_abs <= allowed_steps),
+              ("mismatch", 1.0 - identical <= allowed_mismatch), ("bias", kernels == "16-bit" or unbiased))
+    failed = next((name for name, holds in checks if not holds), None)
+    return QuantizerCodes(f"quantize_dequantize_{b.call}", b.module, f"{b.node.name} ({b.node.op_type})", d.size,
+                          identical, within_one, total / n, max_abs, kernels, allowed_steps, allowed_mismatch,
+                          qparams_match, failed or f"{kernels} kernels", failed is None)
+
+
+def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[torch.Tensor, ...], *,
+                            providers: Sequence[str] = ("CPUExecutionProvider",)) -> tuple[QuantizerCodes, ...]:
+    """Statistics and verdict at every activation quantizer of ``path`` on one batch (module docstring).
+
+    Args:
+        model: The converted model that was exported.
+        path: The ONNX file ``export_onnx`` wrote for it.
+        batch: One batch: a tuple of tensors, one per model input.
+        providers: onnxruntime execution providers.
+
+    Returns:
+        One :class:`QuantizerCodes` per activation quantizer with integer codes, in graph order (empty when the
+        file has none, e.g. weight-only presets; float8 quantizers are left to the output comparison).
+    """
+    import onnxruntime as ort
+
+    exported = onnx.load(str(path))
+    boundaries = quantizer_boundaries(exported)
+    if not boundaries:
+        return ()
+    recorder = _RecordQuantizeCalls()
+    with torch.no_grad(), recorder:
+        model(*batch)
+    boundaries = [b for b in boundaries if b.call < len(recorder.calls)]
+    tensors = [b.tensor for b in boundaries]
+    with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
+        instrumented = instrumented_copy(exported, tensors, Path(tmp))
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        session = ort.InferenceSession(str(instrumented), options, providers=list(providers))
+        names = [i.name for i in session.get_inputs()]
+        values = session.run(tensors, {n: t.numpy() for n, t in zip(names, batch, strict=True)})
+        optimized = optimized_model(instrumented, "all")
+    bounds, graph = tensor_bounds(optimized), OnnxGraph(optimized)
+    boundary_tensors = set(tensors)
+    mismatch: dict[str, float] = {}
+    results = []
+    for b, got in zip(boundaries, values, strict=True):
+        kernels, feeding = _feeding(graph, b.tensor, boundary_tensors - {b.tensor})
+        bound = bounds.get(b.tensor)
+        # behind an int8-compute MatMulNBits the path bound counts that layer's own int8 steps, not this quantizer's
+        derived = bound is not None and bound.int8_layer is None and not bound.int8_codes
+        allowed = float(bound.steps) if derived else float("inf")
+        upstream = max((mismatch.get(t, 0.0) for t in feeding), default=0.0)
+        codes = _judge(b, got, recorder.calls[b.call], kernels, allowed, upstream)
+        if codes is not None:
+            mismatch[b.tensor] = 1.0 - codes.identical
+            results.append(codes)
+    return tuple(results)
