@@ -112,7 +112,8 @@ def test_prepare_rounds_gptq_linears_provisionally_to_nearest_and_convert_still_
     torch.manual_seed(0)
     gm = co.prepare(_Mlp().eval(), co.QuantizerConfig.presets.w4(block_size=16), (_data()[0],))  # weight-only
     fq = gm.fc2_weight_fq
-    rtn = co.quantization.rounding.weight_rounding.RTNRounding(fq.rounding.spec).round_weight(gm.fc2.weight.detach(), None)
+    rtn_rounding = co.quantization.rounding.weight_rounding.RTNRounding(fq.rounding.spec)
+    rtn = rtn_rounding.round_weight(gm.fc2.weight.detach(), None)
     assert torch.equal(fq.rounding.qweight, rtn.q.to(torch.int8)) and bool(fq.rounding.awaiting_data)
     with pytest.raises(ValueError, match=r"never observed .*fc2\.weight"):
         co.convert(gm)

@@ -218,7 +218,8 @@ def test_int8_compute_behind_a_static_layer_loses_the_option_and_the_round_is_se
         options = [{"static": Option(0.0, 1.0), "float": Option(0.0, 9.0)},
                    {"int8_compute": Option(0.0, 1.0), "static": Option(0.0, 2.0), "float": Option(0.0, 9.0)}]
         behind: list[int] = []
-        choices, prepared = recipe._assign_and_prepare(options, 1.0, list(co.api.algorithms.auto_quantize.CANDIDATES), units,
+        candidates = list(co.api.algorithms.auto_quantize.CANDIDATES)
+        choices, prepared = recipe._assign_and_prepare(options, 1.0, candidates, units,
                                                        {}, behind, (model, (batches[0],), None, "auto"))
     # b as int8_compute would read a's uint8 output: no MatMulNBits, a float Gemm behind DequantizeLinear
     assert choices == ["static", "static"] and behind == [1] and "int8_compute" not in options[1]
