@@ -4,7 +4,8 @@ Nothing here names an architecture. ``transformers`` types come from the auto ma
 image classification, audio classification, causal LM), each with the library's default config shrunk
 generically: every size field the config has is set small (:data:`SMALL_SIZES`), list-valued stage fields get one
 block per stage and widths ``16·2^i``. ``timm`` families are the modules of ``timm.list_models()``; each family
-runs its smallest-named variant (:data:`SIZE_ORDER`) with ``pretrained=False`` at a reduced resolution.
+runs its smallest-named variant (:data:`SIZE_ORDER`) with ``pretrained=False`` at a reduced resolution and, where
+the architecture takes one, a depth of 2 blocks (:data:`TIMM_SHRINK`).
 Every entry is a :class:`benchmarks.corpus_models.CorpusModel`, so :func:`benchmarks.corpus_runner.run_corpus_model`
 runs it beside ``quantize_static``.
 """
@@ -22,7 +23,7 @@ from benchmarks.corpus_models import CorpusModel, SingleInput, TokenClassifierIn
 from benchmarks.torchvision_ops import declare_torchvision_ops
 from coreai_opt.reference_models import randomize_batchnorm
 
-__all__ = ["SIZE_ORDER", "SMALL_SIZES", "hf_entries", "shrink_config", "sweep_entries", "timm_entries"]
+__all__ = ["SIZE_ORDER", "SMALL_SIZES", "TIMM_SHRINK", "hf_entries", "shrink_config", "sweep_entries", "timm_entries"]
 
 NUM_LABELS = 4
 SEQ = 16
@@ -42,6 +43,9 @@ SMALL_SIZES: dict[str, int] = {
 _STAGE_DEPTHS = ("depths", "layers", "num_layers_per_stage", "block_repeats")
 _STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "dims", "widths", "hidden_dims")
 _STAGE_HEADS = ("num_heads", "num_attention_heads", "heads")
+
+#: Size arguments tried in order for a timm model: transformers take a resolution and a depth, CNNs neither.
+TIMM_SHRINK: tuple[dict[str, int], ...] = ({"img_size": IMAGE, "depth": 2}, {"img_size": IMAGE}, {})
 
 #: Size words in timm model names, smallest first (a family runs the first variant in this order).
 SIZE_ORDER = ("atto", "femto", "pico", "nano", "micro", "xxs", "xs", "tiny", "mini", "small", "s", "b0", "050",
@@ -126,11 +130,13 @@ def _timm_build(arch: str) -> Callable[[], nn.Module]:
         declare_torchvision_ops()
         import timm
 
-        kwargs: dict[str, Any] = {"pretrained": False, "num_classes": NUM_LABELS}
-        try:
-            model = timm.create_model(arch, img_size=IMAGE, **kwargs)
-        except TypeError:  # CNNs take any resolution and no img_size argument
-            model = timm.create_model(arch, **kwargs)
+        for extra in TIMM_SHRINK[:-1]:  # the first set of size arguments the architecture accepts
+            try:
+                return randomize_batchnorm(timm.create_model(arch, pretrained=False, num_classes=NUM_LABELS,
+                                                             **extra)).eval()
+            except TypeError:
+                continue
+        model = timm.create_model(arch, pretrained=False, num_classes=NUM_LABELS, **TIMM_SHRINK[-1])
         return randomize_batchnorm(model).eval()
 
     return build
