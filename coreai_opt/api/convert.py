@@ -63,7 +63,8 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     if missing:
         raise ValueError(
             f"{len(missing)} activation quantizer(s) were never calibrated: {', '.join(missing)}; run "
-            "coreai_opt.calibrate(prepared, data) with batches that reach them before convert"
+            "coreai_opt.calibrate(prepared, data) with batches that reach them before convert (a quantizer that saw "
+            "only empty tensors, e.g. a boolean-mask selection that picked nothing, observed no value)"
         )
     waiting = [fq.name for _, fq in quantizers if fq.rounding is not None and bool(fq.rounding.awaiting_data)]
     if waiting:

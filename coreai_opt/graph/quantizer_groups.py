@@ -15,6 +15,14 @@ this order, are:
    spec share one quantizer of their own, which reads the **float** tensor, so a uint16 reader of a uint8
    tensor really gets 16 bits. An ``edge_only`` request (a dynamic quantizer) is always split off: only the
    requesting edges read it.
+4. A per-channel or per-block request (a weight) is laid out for the tensor its reader reads. It joins a
+   producer group that has no spec yet only when that group is the producer's tensor alone; a group that also
+   holds value-moving ops (``F.batch_norm`` over a ``[1, C, K]`` view of a conv weight, then ``reshape_as``:
+   NFNet's weight standardisation; a transposed weight) holds the values in other layouts, where the axis
+   names other channels, so the edge is split off and its quantizer reads the tensor the reader reads. Such
+   split-off edges share a quantizer only when they read the same node: the row slices of a packed weight
+   (``nn.MultiheadAttention``'s ``in_proj_weight`` split into ``w_q`` and ``w_kv`` when the query is not the
+   key, as in an attention-pooling head) each get their own, with the same per-row scales the whole would have.
 
 A tensor whose readers all want one spec therefore keeps exactly one quantizer, which every reader reads
 (readers without a request included), as before per-edge ownership.
@@ -117,21 +125,33 @@ def plan_quantizers(nodes: list[Node]) -> QuantizerPlan:
     decided: dict[Hashable, tuple[QuantSpec, Node]] = {}
     for node, spec in output_requests:
         decided.setdefault(uf.find((node,)), (spec, node))
-    split_roots: dict[tuple[Hashable, QuantSpec], Point] = {}
+    split_roots: dict[tuple[Hashable, ...], Point] = {}
+    moved = _roots_with_value_moving_members(uf, nodes)
     for (producer, consumer), spec in edge_requests:
-        _assign_edge(uf, decided, split_roots, shared_edges, (producer, consumer), spec)
+        _assign_edge(uf, decided, split_roots, shared_edges, (producer, consumer), spec, moved)
     return _build(nodes, uf, decided, followers, requested_edges, biases)
+
+
+def _roots_with_value_moving_members(uf: _UnionFind, nodes: list[Node]) -> set[Hashable]:
+    """Roots of the output groups that hold more than one node's output (a tensor and its value-moving views)."""
+    count: dict[Hashable, int] = {}
+    for node in nodes:
+        if (node,) in uf.parent:
+            root = uf.find((node,))
+            count[root] = count.get(root, 0) + 1
+    return {root for root, n in count.items() if n > 1}
 
 
 def _assign_edge(
     uf: UnionFind[Hashable],
     decided: dict[Hashable, tuple[QuantSpec, Node]],
-    split_roots: dict[tuple[Hashable, QuantSpec], Point],
+    split_roots: dict[tuple[Hashable, ...], Point],
     shared_edges: set[Point],
     edge: Edge,
     spec: QuantSpec,
+    moved: set[Hashable],
 ) -> None:
-    """Rule 3: join ``edge`` to its producer's output group, or to the split-off group of its spec."""
+    """Rules 3 and 4: join ``edge`` to its producer's output group, or to the split-off group of its spec."""
     producer, consumer = edge
     tensor, point = uf.find((producer,)), uf.find(edge)
     if tensor == point:
@@ -139,13 +159,16 @@ def _assign_edge(
         return
     owner = decided.get(tensor)
     shares = (consumer,) in uf.parent and uf.find((consumer,)) == tensor
-    if not spec.edge_only and (owner is None or owner[0].satisfies(spec) or shares or edge in shared_edges):
+    per_layout = spec.spec.granularity.type_name != "per_tensor" and tensor in moved  # rule 4
+    free = owner is None and not per_layout
+    if not spec.edge_only and (free or (owner is not None and owner[0].satisfies(spec)) or shares
+                               or edge in shared_edges):
         absorbed = decided.pop(point, None)
         uf.union(tensor, point)
         if tensor not in decided:
             decided[tensor] = absorbed or (spec, consumer)
         return
-    key = (tensor, spec)
+    key = (tensor, spec, producer) if per_layout else (tensor, spec)
     if key in split_roots:
         uf.union(split_roots[key], point)
     else:

@@ -34,6 +34,8 @@ class ChannelAbsMax:
     def update(self, name: str, x: Tensor) -> Tensor:
         """Fold ``x`` into ``values[name]``; return its float32 ``(tokens, channels)`` view for further use."""
         flat = x.detach().float().reshape(-1, x.shape[-1])
+        if flat.shape[0] == 0:  # no token in this batch (e.g. an empty boolean-mask selection): nothing to fold
+            return flat
         amax = flat.abs().amax(dim=0)
         seen = self.values.get(name)
         self.values[name] = amax if seen is None else torch.maximum(seen, amax)

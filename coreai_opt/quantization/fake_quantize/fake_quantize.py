@@ -304,6 +304,8 @@ class FakeQuantize(RegistryFamily, nn.Module):
         if self.export_mode:
             calculator = self.calculator
             return self._fake_quant(x, calculator.scale, calculator.zero_point)
+        if x.numel() == 0:  # e.g. a boolean-mask selection that picked nothing: no statistics, quantizes to itself
+            return x
         observe, fake_quant = bool(self.observer_enabled), bool(self.fake_quant_enabled)
         if not isinstance(self.calculator, StatefulQParamsCalculatorBase):
             if not fake_quant:

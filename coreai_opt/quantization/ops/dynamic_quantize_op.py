@@ -57,8 +57,6 @@ def _check(x: Tensor) -> None:
             f"coreai_opt::dynamic_quantize_dequantize needs a float32 input, got {x.dtype}; cast to float32 first "
             "(DynamicFakeQuantize does this for fp16/bf16 inputs)"
         )
-    if x.numel() == 0:
-        raise ValueError("coreai_opt::dynamic_quantize_dequantize got an empty tensor; its range is undefined")
 
 
 @torch.library.custom_op("coreai_opt::dynamic_quantize_dequantize", mutates_args=())
@@ -66,12 +64,15 @@ def dynamic_quantize_dequantize(x: Tensor) -> Tensor:
     """Fake-quantize ``x`` with per-tensor dynamic uint8 qparams (see the module docstring).
 
     Args:
-        x: float32 tensor, any shape, at least one element.
+        x: float32 tensor, any shape.
 
     Returns:
-        ``(clamp(round(x / s) + z, 0, 255) − z) · s`` with ``(s, z) = dynamic_qparams(x)``.
+        ``(clamp(round(x / s) + z, 0, 255) − z) · s`` with ``(s, z) = dynamic_qparams(x)``; an empty ``x`` (no
+        range to measure) gives an empty tensor.
     """
     _check(x)
+    if x.numel() == 0:
+        return torch.empty_like(x)
     scale, zero_point = dynamic_qparams(x)
     z = zero_point.to(torch.float32)
     q = torch.clamp(torch.round(x / scale) + z, 0.0, float(DYNAMIC_QUANT_MAX))

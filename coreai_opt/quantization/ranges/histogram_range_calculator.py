@@ -60,7 +60,12 @@ class HistogramRangeCalculatorBase(RangeCalculatorBase):
 
     # ------------------------------------------------------------------------------------------- contract
     def update(self, x: Tensor) -> None:
-        """Add the finite values of ``x`` to the per-row histograms (NaN/Inf ignored, one warning)."""
+        """Add the finite values of ``x`` to the per-row histograms (NaN/Inf ignored, one warning).
+
+        An empty ``x`` adds nothing and fixes no qparam shape.
+        """
+        if x.numel() == 0:
+            return
         x = x.detach()
         shape = torch.tensor(self.granularity.qparam_shape(x.shape), dtype=torch.int64, device=x.device)
         if self._shape_known and not torch.equal(shape.cpu(), self.qparam_shape.cpu()):

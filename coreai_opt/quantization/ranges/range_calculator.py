@@ -8,7 +8,8 @@ its statistics merge across ``torch.distributed`` ranks.
 Contract of every subclass:
 
 * ``update(x)`` accumulates statistics of ``x`` (rows view, see :mod:`granularity`). Non-finite values
-  are ignored, with one warning naming the calculator.
+  are ignored, with one warning naming the calculator. An empty ``x`` (``x.numel() == 0``, e.g. a boolean-mask
+  selection that picked nothing in this batch) carries no value and leaves the statistics untouched.
 * ``compute_range()`` returns ``(min_val, max_val)`` with the qparam shape.
 * ``reset()`` forgets everything; ``has_statistics`` says whether anything was observed.
 * ``all_reduce(group=None)`` merges statistics across ranks so every rank ends identical. It is safe on a
@@ -150,6 +151,8 @@ class MinMaxRangeCalculator(RangeCalculatorBase):
         self.register_buffer("max_val", torch.empty(0))
 
     def update(self, x: Tensor) -> None:  # noqa: D102
+        if x.numel() == 0:  # no value: the last range stays (module docstring)
+            return
         x = x.detach()
         mn, mx, had_non_finite = finite_rows_min_max(self.granularity.to_rows(x))
         if had_non_finite:

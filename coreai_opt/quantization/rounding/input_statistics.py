@@ -74,7 +74,9 @@ class InputStatistics(RangeCalculatorBase):
         return x
 
     def update(self, x: Tensor) -> None:
-        """Add the rows of ``x`` (last dim = input channels) to the sums."""
+        """Add the rows of ``x`` (last dim = input channels) to the sums; an empty ``x`` adds nothing."""
+        if x.numel() == 0:
+            return
         rows = x.detach().reshape(-1, x.shape[-1]).float()
         finite = torch.isfinite(rows).all(dim=1)
         if not bool(finite.all()):

@@ -12,7 +12,8 @@ key                state      range used at commit time
 =================  =========  ===================================================================
 
 Running statistics are buffers (``running_min`` / ``running_max``), so they round-trip through
-``state_dict``. A qparam group whose batch had no finite value leaves its running value unchanged.
+``state_dict``. A qparam group whose batch had no finite value leaves its running value unchanged, and an
+empty tensor is no batch at all.
 
 ``sync_statistics(group=None, *, only_order_dependent=False)`` merges the statistics across
 ``torch.distributed`` ranks so that every rank ends identical (per qparam group, ``r`` over the ranks):
@@ -84,8 +85,11 @@ class _RunningRangeQParamsCalculator(StatefulQParamsCalculatorBase):
         return self.running_min.numel() > 0 and bool(torch.isfinite(self.running_min).any())
 
     def observe(self, x: Tensor) -> None:
-        """Update the running range with the per-group min/max of ``x`` (nothing in export mode)."""
-        if self.export_mode:
+        """Update the running range with the per-group min/max of ``x`` (nothing in export mode).
+
+        An empty ``x`` is no batch: the running range and :attr:`batches_since_sync` stay as they are.
+        """
+        if self.export_mode or x.numel() == 0:
             return
         rc = self.range_calculator
         rc.update(x)

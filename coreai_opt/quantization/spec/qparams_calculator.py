@@ -188,8 +188,8 @@ class StatefulQParamsCalculatorBase(QParamsCalculatorBase):
 
     # --- statistics ---
     def observe(self, x: Tensor) -> None:
-        """Accumulate statistics of ``x`` (nothing in export mode). Cheap: no qparams are computed."""
-        if not self.export_mode:
+        """Accumulate statistics of ``x`` (nothing in export mode, nothing for an empty ``x``). Cheap."""
+        if not self.export_mode and x.numel() > 0:
             self.range_calculator.update(x)
             self.__dict__["batches_since_sync"] += 1  # plain int attribute; skips nn.Module.__setattr__ (hot path)
 
@@ -339,7 +339,15 @@ class StatelessQParamsCalculatorBase(QParamsCalculatorBase):
         """No-op: a stateless calculator has no statistics to accumulate."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Return qparams computed from ``x`` alone (shape follows ``x``)."""
+        """Return qparams computed from ``x`` alone (shape follows ``x``).
+
+        An empty ``x`` has no range; it gets the qparams of the range ``[0, 0]`` (its quantized value is empty
+        whatever they are).
+        """
+        if x.numel() == 0:
+            zeros = torch.zeros(self.granularity.qparam_shape(tuple(x.shape)), device=x.device)
+            scale, zero_point, minval = self.compute_qparams(zeros, zeros)
+            return scale, zero_point, minval
         self.range_calculator.update(x)
         mn, mx = self.range_calculator.compute_range()
         scale, zero_point, minval = self.compute_qparams(mn, mx)

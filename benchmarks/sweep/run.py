@@ -1,0 +1,126 @@
+"""Run the sweep in chunks, resumably, one subprocess per model with a time budget; write the table.
+
+``python -m benchmarks.sweep.run --chunk 0/13 --budget 600 --out benchmarks/sweep/results`` runs entries
+``0, 13, 26, ...`` of :func:`benchmarks.sweep.catalog.sweep_entries` that have no row in ``<out>/rows.jsonl`` yet,
+each in its own process (a crash or a hang costs one row), and rewrites ``<out>/RESULTS.md`` from every row so far.
+A row records the stage our pipeline reached (prepare → calibrate → convert → export → verify), the error class
+(exception type and message with numbers masked), SQNR against float of our file and of ``quantize_static``'s,
+the integer kernels onnxruntime runs in each, and the seconds spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["error_class", "main", "write_table"]
+
+STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
+
+
+def error_class(error: str | None) -> str:
+    """``"Type: message"`` with numbers, shapes and quoted names masked, so one cause groups into one class."""
+    if not error:
+        return ""
+    text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", error.splitlines()[0])
+    return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)[:120]
+
+
+def _run_one(name: str, out: Path) -> dict[str, object]:
+    from benchmarks.corpus_runner import RunOptions, run_corpus_model
+    from benchmarks.sweep.catalog import sweep_entries
+
+    entry = next(e for e in sweep_entries() if e.name == name)
+    row = run_corpus_model(entry, out / "work", RunOptions(calib_batches=2, eval_batches=2))
+    record = dataclasses.asdict(row)
+    record["end_to_end_ok"] = row.end_to_end_ok
+    return record
+
+
+def _stage_reached(row: dict[str, object]) -> str:
+    failed = row.get("failed_stage")
+    if failed in ("timeout", "crash"):
+        return str(failed)
+    if failed is None:
+        return "verify ok" if row.get("verify_ok") else "verify not ok"
+    index = STAGES.index(str(failed)) if failed in STAGES else 0
+    return f"{STAGES[index - 1] if index else '-'} (failed in {failed})"
+
+
+def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) -> None:
+    """Write the markdown table of ``rows`` and the pass rates to ``path``."""
+    ours = sum(1 for r in rows if r.get("end_to_end_ok"))
+    peer = sum(1 for r in rows if r.get("sqnr_ort") is not None)
+    lines = [
+        "# Architecture sweep (issue 30)", "",
+        f"{len(rows)} models run; ours end to end (verify ok): {ours}; quantize_static produced a file that ran: "
+        f"{peer}; wall time of the runs so far: {wall_seconds / 60:.1f} min.", "",
+        "| model | stage reached | error class | SQNR ours | SQNR quantize_static | int kernels ours / peer | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def db(value: object) -> str:
+        return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
+
+    for r in sorted(rows, key=lambda r: str(r["name"])):
+        seconds = sum(r.get("seconds", {}).values()) if isinstance(r.get("seconds"), dict) else r.get("wall", 0)
+        lines.append(f"| {r['name']} | {_stage_reached(r)} | {error_class(r.get('error'))} | {db(r.get('sqnr_ours'))} "
+                     f"| {db(r.get('sqnr_ort'))} | {r.get('int_ours', '-')} / {r.get('int_ort', '-')} "
+                     f"| {seconds:.0f} |")
+    classes: dict[str, int] = {}
+    for r in rows:
+        if not r.get("end_to_end_ok"):
+            key = error_class(r.get("error")) or _stage_reached(r)
+            classes[key] = classes.get(key, 0) + 1
+    lines += ["", "## Failure classes", "", "| count | class |", "|---|---|"]
+    lines += [f"| {n} | {k} |" for k, n in sorted(classes.items(), key=lambda kv: -kv[1])]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line (module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk", default="0/1", help="i/n: run entries i, i+n, i+2n, ...")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many entries of the chunk")
+    parser.add_argument("--budget", type=float, default=600.0, help="seconds per model")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/sweep/results"))
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one model, row on stdout
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        print("SWEEP-ROW " + json.dumps(_run_one(args.one, args.out), default=str), flush=True)
+        return
+    from benchmarks.sweep.catalog import sweep_entries
+
+    index, count = (int(v) for v in args.chunk.split("/"))
+    names = [e.name for e in sweep_entries()][index::count][: args.limit]
+    rows_path = args.out / "rows.jsonl"
+    done = {json.loads(line)["name"] for line in rows_path.read_text().splitlines()} if rows_path.exists() else set()
+    for name in names:
+        if name in done:
+            continue
+        start = time.monotonic()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.sweep.run", "--one", name, "--out", str(args.out)],
+                                  capture_output=True, text=True, timeout=args.budget)
+            found = [line for line in proc.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
+            row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
+                "name": name, "failed_stage": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        except subprocess.TimeoutExpired:
+            row = {"name": name, "failed_stage": "timeout", "error": f"TimeoutExpired: over {args.budget:.0f} s"}
+        row["wall"] = time.monotonic() - start
+        with rows_path.open("a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        print(f"{name}: {_stage_reached(row)} {error_class(row.get('error'))} ({row['wall']:.0f} s)", flush=True)
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    write_table(rows, args.out / "RESULTS.md", sum(float(r.get("wall", 0)) for r in rows))
+
+
+if __name__ == "__main__":
+    main()
