@@ -12,7 +12,7 @@ from benchmarks.sweep.run import error_class, main
 
 
 def test_shrink_config_sets_every_size_field_the_config_has() -> None:
-    from benchmarks.torchvision_ops import declare_torchvision_ops
+    from benchmarks.common.torchvision_ops import declare_torchvision_ops
 
     declare_torchvision_ops()
     import transformers

@@ -6,7 +6,7 @@ generically: every size field the config has is set small (:data:`SMALL_SIZES`),
 block per stage and widths ``16·2^i``. ``timm`` families are the modules of ``timm.list_models()``; each family
 runs its smallest-named variant (:data:`SIZE_ORDER`) with ``pretrained=False`` at a reduced resolution and, where
 the architecture takes one, a depth of 2 blocks (:data:`TIMM_SHRINK`).
-Every entry is a :class:`benchmarks.corpus_models.CorpusModel`, so :func:`benchmarks.corpus_runner.run_corpus_model`
+Every entry is a :class:`benchmarks.corpus.models.CorpusModel`, so :func:`benchmarks.corpus.runner.run_corpus_model`
 runs it beside ``quantize_static``.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks.corpus_models import CorpusModel, SingleInput, TokenClassifierInputs, images
-from benchmarks.torchvision_ops import declare_torchvision_ops
+from benchmarks.common.torchvision_ops import declare_torchvision_ops
+from benchmarks.corpus.models import CorpusModel, SingleInput, TokenClassifierInputs, images
 from coreai_opt.reference_models import randomize_batchnorm
 
 __all__ = ["SIZE_ORDER", "SMALL_SIZES", "TIMM_SHRINK", "hf_entries", "shrink_config", "sweep_entries", "timm_entries"]

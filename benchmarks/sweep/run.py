@@ -1,8 +1,9 @@
 """Run the sweep in chunks, resumably, one subprocess per model with a time budget; write the table.
 
-``python -m benchmarks.sweep.run --chunk 0/13 --budget 600 --out benchmarks/sweep/results`` runs entries
+``python -m benchmarks.run sweep --chunk 0/13 --budget 600`` runs entries
 ``0, 13, 26, ...`` of :func:`benchmarks.sweep.catalog.sweep_entries` that have no row in ``<out>/rows.jsonl`` yet,
-each in its own process (a crash or a hang costs one row), and rewrites ``<out>/RESULTS.md`` from every row so far.
+each in its own process (a crash or a hang costs one row), and rewrites ``<out>/RESULTS.md`` from every row so far
+(``--out`` defaults to ``benchmarks/sweep/``, the study's folder).
 A row records the stage our pipeline reached (prepare → calibrate → convert → export → verify), the error class
 (exception type and message with numbers masked), SQNR against float of our file and of ``quantize_static``'s,
 the integer kernels onnxruntime runs in each, and the seconds spent.
@@ -33,7 +34,7 @@ def error_class(error: str | None) -> str:
 
 
 def _run_one(name: str, out: Path) -> dict[str, object]:
-    from benchmarks.corpus_runner import RunOptions, run_corpus_model
+    from benchmarks.corpus.runner import RunOptions, run_corpus_model
     from benchmarks.sweep.catalog import sweep_entries
 
     entry = next(e for e in sweep_entries() if e.name == name)
@@ -83,15 +84,24 @@ def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) 
     path.write_text("\n".join(lines) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line (module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The study's options (module docstring)."""
     parser.add_argument("--chunk", default="0/1", help="i/n: run entries i, i+n, i+2n, ...")
     parser.add_argument("--limit", type=int, default=None, help="at most this many entries of the chunk")
     parser.add_argument("--budget", type=float, default=600.0, help="seconds per model")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/sweep/results"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
+                        help="folder of rows.jsonl and RESULTS.md (default: benchmarks/sweep/)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one model, row on stdout
-    args = parser.parse_args(argv)
+
+
+def main(argv: list[str] | argparse.Namespace | None = None) -> None:
+    """Run a chunk (module docstring); ``argv`` is a parsed namespace when ``benchmarks.run`` calls it."""
+    if isinstance(argv, argparse.Namespace):
+        args = argv
+    else:
+        parser = argparse.ArgumentParser(prog="python -m benchmarks.run sweep", description=__doc__.splitlines()[0])
+        configure(parser)
+        args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         print("SWEEP-ROW " + json.dumps(_run_one(args.one, args.out), default=str), flush=True)
@@ -107,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         start = time.monotonic()
         try:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.sweep.run", "--one", name, "--out", str(args.out)],
-                                  capture_output=True, text=True, timeout=args.budget)
+            child = [sys.executable, "-m", "benchmarks.run", "sweep", "--one", name, "--out", str(args.out)]
+            proc = subprocess.run(child, capture_output=True, text=True, timeout=args.budget)
             found = [line for line in proc.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
             row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
                 "name": name, "failed_stage": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
@@ -121,6 +131,3 @@ def main(argv: list[str] | None = None) -> None:
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
     write_table(rows, args.out / "RESULTS.md", sum(float(r.get("wall", 0)) for r in rows))
 
-
-if __name__ == "__main__":
-    main()

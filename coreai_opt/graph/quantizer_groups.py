@@ -132,7 +132,7 @@ def plan_quantizers(nodes: list[Node]) -> QuantizerPlan:
     return _build(nodes, uf, decided, followers, requested_edges, biases)
 
 
-def _roots_with_value_moving_members(uf: _UnionFind, nodes: list[Node]) -> set[Hashable]:
+def _roots_with_value_moving_members(uf: UnionFind[Hashable], nodes: list[Node]) -> set[Hashable]:
     """Roots of the output groups that hold more than one node's output (a tensor and its value-moving views)."""
     count: dict[Hashable, int] = {}
     for node in nodes:

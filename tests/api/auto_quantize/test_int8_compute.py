@@ -21,7 +21,7 @@ from torch import nn
 import coreai_opt as co
 from coreai_opt.api.algorithms.auto_quantize import recipe
 from coreai_opt.api.algorithms.auto_quantize.candidates import candidate_op_config
-from coreai_opt.api.algorithms.auto_quantize.error import model_outputs, relative_squared_error, unit_errors
+from coreai_opt.api.algorithms.auto_quantize.output_error import model_outputs, relative_squared_error, unit_errors
 from coreai_opt.api.algorithms.auto_quantize.search import Option
 from coreai_opt.api.algorithms.auto_quantize.units import find_units, layer_int8_compute
 from coreai_opt.onnx.verify.fusion_report import FLOAT_COMPUTE_OPS, INTEGER_COMPUTE_OPS, fusion_report, optimized_model

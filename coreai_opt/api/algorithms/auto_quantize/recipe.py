@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from coreai_opt.api.algorithms.auto_quantize.candidates import CANDIDATES, candidate_op_config, kernel_kind
 from coreai_opt.api.algorithms.auto_quantize.cost_measurement import load_or_measure
 from coreai_opt.api.algorithms.auto_quantize.cost_table import CostTable
-from coreai_opt.api.algorithms.auto_quantize.error import (
+from coreai_opt.api.algorithms.auto_quantize.output_error import (
     Metric,
     int8_compute_emulation,
     model_outputs,
@@ -176,7 +176,7 @@ def auto_quantize(
         model: The float model (not modified), in eval mode.
         data: Calibration batches as for ``calibrate`` (``calibration_data=``, its old name, still works with a
             ``DeprecationWarning``); without ``eval_data`` every fourth batch is held out to
-            measure errors (module docstring of :mod:`coreai_opt.api.algorithms.auto_quantize.error`).
+            measure errors (module docstring of :mod:`coreai_opt.api.algorithms.auto_quantize.output_error`).
         example_inputs: Positional example inputs (as for ``prepare``); latencies are estimated at their shape.
         eval_data: Batches to measure the errors on instead of the held-out split.
         metric: ``metric(outputs, references) -> float``; default relative squared error.
