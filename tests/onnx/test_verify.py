@@ -111,7 +111,7 @@ def test_verify_onnx_rejects_bad_inputs(mlp: tuple[nn.Module, Path], tmp_path: P
 
 
 def test_compare_counts_a_flip_inside_the_tolerance_as_a_near_tie_and_fails_a_decisive_flip():
-    from coreai_opt.onnx.verify.verify_onnx import _compare
+    from coreai_opt.onnx.verify.output_comparison import compare_output as _compare
 
     ref = np.array([[1.0, 0.999, -1.0], [2.0, 0.0, -1.0]], dtype=np.float32)
     near_tie = np.array([[0.998, 0.9995, -1.0], [2.0, 0.0, -1.0]], dtype=np.float32)  # row 0 margin 0.001
@@ -124,7 +124,7 @@ def test_compare_counts_a_flip_inside_the_tolerance_as_a_near_tie_and_fails_a_de
 
 def test_compare_judges_token_agreement_of_b_t_v_logits_per_token():
     """[B, T, V] logits: top-1 agreement over B·T tokens, near ties (margin within 2x tolerance) forgiven."""
-    from coreai_opt.onnx.verify.verify_onnx import _compare
+    from coreai_opt.onnx.verify.output_comparison import compare_output as _compare
 
     ref = np.array([[[1.0, 0.999, -1.0], [2.0, 0.0, -1.0]],
                     [[0.0, 3.0, 1.0], [0.5, 0.0, 0.0]]], dtype=np.float32)  # B=2, T=2, V=3
