@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from coreai_opt.graph.node_meta import Role, get_meta, tensor_info
+from coreai_opt.errors import CoreaiOptValueError
+from coreai_opt.graph.capture_error import source_of
+from coreai_opt.graph.node_meta import Role, get_meta, node_label, tensor_info
+from coreai_opt.graph.op_kinds import MOVER_KINDS
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, PerTensor
 
 __all__ = ["check_activation_axes"]
@@ -109,7 +112,7 @@ def check_activation_axes(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[s
         kwargs: The example keyword inputs.
 
     Raises:
-        ValueError: names the quantizer, the axis and the fixes.
+        CoreaiOptValueError: names the quantizer, the axis, the mover that put the batch there, and the fixes.
     """
     calls = _candidates(gm)
     if not calls:
@@ -120,9 +123,14 @@ def check_activation_axes(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[s
         example = sizes[call]
         if example == -1 or (grown and example is not None and grown.get(call, example) != example):
             shown = "symbolic" if example == -1 else example
-            raise ValueError(
+            read = call.args[0]
+            moved = ""
+            if isinstance(read, Node) and get_meta(read).kind in MOVER_KINDS:
+                moved = (f" (the value-moving op '{node_label(read)}' ({read.target}) at "
+                         f"{source_of(read) or '(no source line recorded)'} moved the batch axis there)")
+            raise CoreaiOptValueError(
                 f"activation quantizer '{fq.name}' is {fq.spec.granularity.type_name} along axis {axis}, whose size "
-                f"follows the batch size ({shown} in the example); its calibrated scales (one per index) cannot "
-                "serve another batch size. Fix: quantize along a fixed-size axis (e.g. the channels, axis=1), use "
-                "PerTensor(), or a stateless qparams_calculator='dynamic'"
+                f"follows the batch size ({shown} in the example){moved}; its calibrated scales (one per index) "
+                "cannot serve another batch size. Fix: quantize along a fixed-size axis (e.g. the channels, axis=1), "
+                "use PerTensor(), or a stateless qparams_calculator='dynamic'"
             )

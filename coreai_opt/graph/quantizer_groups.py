@@ -23,6 +23,14 @@ this order, are:
    split-off edges share a quantizer only when they read the same node: the row slices of a packed weight
    (``nn.MultiheadAttention``'s ``in_proj_weight`` split into ``w_q`` and ``w_kv`` when the query is not the
    key, as in an attention-pooling head) each get their own, with the same per-row scales the whole would have.
+5. A per-channel or per-block *activation* group does not cross a value-moving op that moves elements to
+   other qparams (``flatten`` of the channel axis into features, a ``permute`` that moves the axis, a slice
+   along it; :func:`~coreai_opt.graph.mover_layouts.keeps_qparam_layout`): the same module called on the
+   mover's output would apply its axis to another shape (``qparam shape changed from (8,) to (288,)``) or to
+   other channels. Such a mover's output is a point of its own, so it is *requantized*: a reader's request
+   gets a quantizer laid out for the mover's output (``Q_c(x) -> flatten -> Q_f``, ``Q_f`` per feature). A
+   mover that keeps every element under its qparam (max-pool, dropout, a reshape keeping the axis) still
+   shares, and per-tensor groups share across every mover as before.
 
 A tensor whose readers all want one spec therefore keeps exactly one quantizer, which every reader reads
 (readers without a request included), as before per-edge ownership.
@@ -35,7 +43,8 @@ from dataclasses import dataclass, field
 
 from torch.fx import Node
 
-from coreai_opt.graph.node_meta import DerivedSpec, QuantSpec, SharedSpec, get_meta
+from coreai_opt.graph.mover_layouts import keeps_qparam_layout
+from coreai_opt.graph.node_meta import DerivedSpec, QuantSpec, Role, SharedSpec, get_meta
 from coreai_opt.graph.union_find import UnionFind
 
 __all__ = ["Edge", "QuantizerGroup", "QuantizerPlan", "plan_quantizers"]
@@ -89,7 +98,37 @@ class QuantizerPlan:
 
 
 def plan_quantizers(nodes: list[Node]) -> QuantizerPlan:
-    """Group the annotated points of ``nodes`` (graph order) into quantizers (rules in the module docstring)."""
+    """Group the annotated points of ``nodes`` (graph order) into quantizers (rules in the module docstring).
+
+    Rule 5 needs the groups' specs to know which movers leave, so the grouping runs again without them; each
+    run only ever detaches more movers, so it ends.
+    """
+    detached: set[Node] = set()
+    while True:
+        plan = _plan(nodes, detached)
+        leaving = _movers_off_layout(plan) - detached
+        if not leaving:
+            return plan
+        detached |= leaving
+
+
+def _movers_off_layout(plan: QuantizerPlan) -> set[Node]:
+    """Rule 5: followers of a per-channel / per-block activation group that move elements to other qparams."""
+    leaving = set()
+    for node in plan.followers:
+        group = plan.output_groups.get(node)
+        output = get_meta(node).annotation.output
+        if (group is None or group.spec.role is not Role.ACTIVATION or group.spec.spec.granularity.type_name
+                == "per_tensor" or not isinstance(output, SharedSpec)):
+            continue
+        source = output.edge_or_node
+        if not isinstance(source, Node) or not keeps_qparam_layout(node, source, group.spec.spec.granularity):
+            leaving.add(node)
+    return leaving
+
+
+def _plan(nodes: list[Node], detached: set[Node]) -> QuantizerPlan:
+    """One grouping run; ``detached`` movers get an output point of their own instead of sharing (rule 5)."""
     uf = UnionFind[Hashable]()
     followers: set[Node] = set()
     shared_edges: set[Point] = set()
@@ -118,6 +157,8 @@ def plan_quantizers(nodes: list[Node]) -> QuantizerPlan:
                 biases.append((arg, node, spec))
         if isinstance(annotation.output, QuantSpec):
             output_requests.append((node, annotation.output))
+            uf.find((node,))
+        elif isinstance(annotation.output, SharedSpec) and node in detached:
             uf.find((node,))
         elif isinstance(annotation.output, SharedSpec):
             uf.union(_point(annotation.output.edge_or_node), (node,))

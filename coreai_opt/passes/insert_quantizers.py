@@ -32,6 +32,8 @@ from dataclasses import replace
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
+from coreai_opt.errors import CoreaiOptValueError
+from coreai_opt.graph.capture_error import source_of
 from coreai_opt.graph.graph_attrs import node_shape
 from coreai_opt.graph.identity_ops import is_identity
 from coreai_opt.graph.node_meta import (
@@ -45,7 +47,7 @@ from coreai_opt.graph.node_meta import (
     set_meta,
     tensor_info,
 )
-from coreai_opt.graph.op_kinds import OpKind
+from coreai_opt.graph.op_kinds import MOVER_KINDS, OpKind
 from coreai_opt.graph.pass_result import PassResult
 from coreai_opt.graph.quantizer_groups import QuantizerGroup, QuantizerPlan, plan_quantizers
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, BiasFakeQuantize, PerTensor
@@ -100,6 +102,21 @@ def _insert_call(
     return call
 
 
+def _mover_error(mover: Node, group: QuantizerGroup, shape: tuple[int, ...], exc: ValueError) -> CoreaiOptValueError:
+    """The error of a per-channel / per-block activation spec that does not fit a requantized mover's output."""
+    g = group.spec.spec.granularity
+    where = source_of(mover) or "(no source line recorded)"
+    reader = node_label(group.requester)
+    return CoreaiOptValueError(
+        f"the {g.type_name} activation spec (axis {g.axis}) asked by '{reader}' cannot quantize the output of the "
+        f"value-moving op '{node_label(mover)}' ({mover.target}) at {where}: that op moves elements to other "
+        f"channels, so its output {tuple(shape)} is requantized with a quantizer of its own, and {exc}. Fix: give "
+        f"'{reader}' an activation spec laid out for {tuple(shape)} (an axis in [-{len(shape)}, {len(shape) - 1}], "
+        "a block size dividing it) or PerTensor(), e.g. config.set_module_name(<its name>, "
+        "OpConfig(activation=...)), or move the op after the layer so the channel axis stays in place"
+    )
+
+
 class _Inserter:
     """Builds the modules of one :class:`QuantizerPlan` and wires their calls into the graph."""
 
@@ -137,6 +154,8 @@ class _Inserter:
             try:
                 fq.initialize(shape)
             except ValueError as exc:
+                if get_meta(first).kind in MOVER_KINDS and qspec.role is Role.ACTIVATION:
+                    raise _mover_error(first, group, shape, exc) from exc
                 raise ValueError(f"quantizer for {serves} ({first.format_node()}): {exc}") from exc
         name = _attr_name(self.gm, serves, qspec.role)
         self.gm.add_submodule(name, fq)
