@@ -267,7 +267,7 @@ def test_three_ranks_uneven_zero_batch_failure_and_timeout() -> None:
         assert failures[rank]["seconds"] < 15.0  # immediate: neither a per-call (20 s) nor the group timeout (60 s)
 
     api_failures = [r[6] for r in results]
-    assert api_failures[2]["error"].startswith("ValueError: calibration batch 1 failed")
+    assert api_failures[2]["error"].startswith("InputValidationError: calibration batch 1 failed")
     assert all(f["rolled_back"] for f in api_failures)  # every rank's failed calibrate left its model as before
     for rank in (0, 1):
         assert api_failures[rank]["error"].startswith("DistributedSyncError")

@@ -256,12 +256,17 @@ def instrumented_copy(model: onnx.ModelProto, tensors: list[str], directory: Pat
     """Save a copy of ``model`` with ``tensors`` added as graph outputs into ``directory``; return its path."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    existing = {o.name for o in copy.graph.output}
+    return add_outputs_and_save(copy, tensors, directory)
+
+
+def add_outputs_and_save(model: onnx.ModelProto, tensors: list[str], directory: Path) -> Path:
+    """Add ``tensors`` to ``model``'s graph outputs (in place) and save it into ``directory``; return its path."""
+    existing = {o.name for o in model.graph.output}
     for name in tensors:
         if name not in existing:
-            copy.graph.output.append(helper.make_empty_tensor_value_info(name))
+            model.graph.output.append(helper.make_empty_tensor_value_info(name))
     path = directory / "instrumented.onnx"
-    onnx.save(copy, str(path))
+    onnx.save(model, str(path))
     return path
 
 

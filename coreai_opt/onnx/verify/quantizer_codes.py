@@ -61,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.verify.fusion_report import optimized_model
-from coreai_opt.onnx.verify.localize import Boundary, instrumented_copy, quantizer_boundaries
+from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, quantizer_boundaries
 from coreai_opt.onnx.verify.ort_kernels import Status, kernel_numerics
 from coreai_opt.onnx.verify.tolerance import tensor_bounds
 
@@ -140,16 +140,24 @@ class QuantizerCodes:
 
 
 class _RecordQuantizeCalls(TorchDispatchMode):
-    """Records ``(output, scale, zero_point)`` of every ``coreai_opt::quantize_dequantize`` call, in call order."""
+    """Counts every ``coreai_opt::quantize_dequantize`` call in call order, keeping only the wanted ones.
 
-    def __init__(self) -> None:
+    A wanted call (an activation boundary) keeps ``(output, scale, zero_point)``; a fake-quantized weight is never
+    copied.
+    """
+
+    def __init__(self, wanted: set[int]) -> None:
         super().__init__()
-        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.wanted = wanted
+        self.count = 0
+        self.calls: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         result = func(*args, **(kwargs or {}))
         if func is torch.ops.coreai_opt.quantize_dequantize.default:
-            self.calls.append((result.detach().clone(), args[1].detach().clone(), args[2].detach().clone()))
+            if self.count in self.wanted:
+                self.calls[self.count] = (result.detach().clone(), args[1].detach().clone(), args[2].detach().clone())
+            self.count += 1
         return result
 
 
@@ -236,18 +244,22 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     boundaries = quantizer_boundaries(exported)
     if not boundaries:
         return ()
-    recorder = _RecordQuantizeCalls()
+    recorder = _RecordQuantizeCalls({b.call for b in boundaries})
     with torch.no_grad(), recorder:
         model(*batch)
-    boundaries = [b for b in boundaries if b.call < len(recorder.calls)]
+    boundaries = [b for b in boundaries if b.call in recorder.calls]
     tensors = [b.tensor for b in boundaries]
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
-        instrumented = instrumented_copy(exported, tensors, Path(tmp))
+        # the loaded file itself becomes the instrumented copy, released before onnxruntime loads it: one copy of
+        # the weights at a time (the file, then the session, then the optimized dump, whose weights stay on disk)
+        instrumented = add_outputs_and_save(exported, tensors, Path(tmp))
+        del exported
         options = ort.SessionOptions()
         options.log_severity_level = 3
         session = ort.InferenceSession(str(instrumented), options, providers=list(providers))
         names = [i.name for i in session.get_inputs()]
         values = session.run(tensors, {n: t.numpy() for n, t in zip(names, batch, strict=True)})
+        del session
         optimized = optimized_model(instrumented, "all")
     bounds, graph = tensor_bounds(optimized), OnnxGraph(optimized)
     boundary_tensors = set(tensors)
