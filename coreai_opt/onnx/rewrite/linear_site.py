@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.rewrite.graph import Dim, OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import QdqView
 from coreai_opt.onnx.rewrite.rule import Match
 
@@ -89,14 +89,24 @@ def restore_shape(site: LinearSite, graph: OnnxGraph, value_2d: str, final: str,
     """Nodes giving ``final = value_2d`` reshaped to ``[*lead(x_q), N]``, the linear's original output shape.
 
     When at most one leading dimension is symbolic: one ``Reshape`` to a constant shape with ``-1`` there;
-    otherwise the leading sizes are read at run time (``Shape -> Concat -> Reshape``).
+    otherwise the leading sizes are read at run time: ``Reshape(value_2d, Concat(Shape(source), [N]))``. The
+    source is a graph input whose recorded shape is exactly ``lead`` (a transformer's ``input_ids [batch,
+    sequence]``; equal symbolic names are equal sizes), so every linear shares one ``Shape`` and one ``Concat``
+    per ``N``, and ``x_q`` keeps its single reader (``collapse_reshapes`` can then drop a reshape feeding it);
+    without such an input it is ``Shape(x_q, end=-1)``, per linear.
     """
     dims = graph.shape(site.x_quantized)
-    target = graph.unique_name(f"{prefix}_out_shape")
-    if sum(not isinstance(d, int) for d in dims[:-1]) <= 1:
-        lead = [d if isinstance(d, int) else -1 for d in dims[:-1]]
-        graph.add_initializer(target, np.array([*lead, site.out_features], np.int64))
+    lead = dims[:-1]
+    if sum(not isinstance(d, int) for d in lead) <= 1:
+        target = graph.unique_name(f"{prefix}_out_shape")
+        graph.add_initializer(target, np.array([*(d if isinstance(d, int) else -1 for d in lead),
+                                                site.out_features], np.int64))
         return [helper.make_node("Reshape", [value_2d, target], [final], name=f"{prefix}_unflatten")]
+    source = _lead_shape_input(graph, lead)
+    if source is not None:
+        target, new = _shared_out_shape(graph, source, site.out_features, prefix)
+        return [*new, helper.make_node("Reshape", [value_2d, target], [final], name=f"{prefix}_unflatten")]
+    target = graph.unique_name(f"{prefix}_out_shape")
     lead_shape = graph.unique_name(f"{prefix}_lead_shape")
     out_features = graph.add_initializer(graph.unique_name(f"{prefix}_out_features"),
                                          np.array([site.out_features], np.int64))
@@ -105,3 +115,32 @@ def restore_shape(site: LinearSite, graph: OnnxGraph, value_2d: str, final: str,
         helper.make_node("Concat", [lead_shape, out_features], [target], name=f"{prefix}_out_shape", axis=0),
         helper.make_node("Reshape", [value_2d, target], [final], name=f"{prefix}_unflatten"),
     ]
+
+
+def _lead_shape_input(graph: OnnxGraph, lead: tuple[Dim, ...]) -> str | None:
+    """The first graph input (by name) whose recorded shape is exactly ``lead``, every dimension named or fixed."""
+    if any(d is None for d in lead):
+        return None
+    matches = sorted(name for name in graph.inputs if graph.shape(name) == tuple(lead))
+    return matches[0] if matches else None
+
+
+def _shared_out_shape(graph: OnnxGraph, source: str, n: int, prefix: str) -> tuple[str, list[onnx.NodeProto]]:
+    """``(name of [*shape(source), n], new nodes)``, reusing the ``Shape`` / ``Concat`` an earlier linear added."""
+    new: list[onnx.NodeProto] = []
+    shapes = [r for r in graph.readers(source) if r.op_type == "Shape" and not r.attribute]
+    if shapes:
+        lead_shape = shapes[0].output[0]
+    else:
+        lead_shape = graph.unique_name(f"{source}_shape")
+        new.append(helper.make_node("Shape", [source], [lead_shape], name=graph.unique_node_name(f"{source}_shape")))
+        graph.annotate(lead_shape, TensorProto.INT64, [len(graph.shape(source) or ())])
+    for reader in graph.readers(lead_shape):
+        if reader.op_type == "Concat" and len(reader.input) == 2 and reader.input[0] == lead_shape:
+            tail = graph.constant(reader.input[1])
+            if tail is not None and tail.tolist() == [n]:
+                return reader.output[0], new
+    out_features = graph.shared_constant("linear_out_features", np.array([n], np.int64))
+    target = graph.unique_name(f"{prefix}_out_shape")
+    new.append(helper.make_node("Concat", [lead_shape, out_features], [target], name=f"{prefix}_out_shape", axis=0))
+    return target, new

@@ -185,3 +185,74 @@ def test_16_bit_and_blocked_weights_are_left_alone_with_their_reasons() -> None:
     expected = run(blocked, {"x": x})[0]
     assert apply_rule(blocked, RULE) == (0, ["weight is per-block"])
     np.testing.assert_array_equal(run(blocked, {"x": x})[0], expected)
+
+
+def _two_layer_graph() -> onnx.ModelProto:
+    """``x [b, s, K]`` (+ an int64 ``mask [b, s]`` input): q = lin_q(x), k = lin_k(x), y = lin_2(q), all uint8 QDQ.
+
+    The shape of a transformer block with two symbolic leading dims: linears sharing an input, a linear chained
+    onto another, and a graph input whose shape is the leading sizes.
+    """
+    inits = [numpy_helper.from_array(np.float32(0.03), "x_scale"), numpy_helper.from_array(np.uint8(120), "x_zp"),
+             numpy_helper.from_array(np.float32(0.05), "h_scale"), numpy_helper.from_array(np.uint8(128), "h_zp")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zp"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xd"])]
+
+    def linear(name: str, source: str, k: int, out: str) -> None:
+        inits.extend([numpy_helper.from_array(RNG.integers(-127, 128, (k, N)).astype(np.int8), f"{name}_w"),
+                      numpy_helper.from_array((RNG.random(N) * 0.02 + 0.005).astype(np.float32), f"{name}_ws"),
+                      numpy_helper.from_array(np.zeros(N, np.int8), f"{name}_wzp"),
+                      numpy_helper.from_array(RNG.integers(-500, 500, N).astype(np.int32), f"{name}_b"),
+                      numpy_helper.from_array((RNG.random(N) * 1e-3).astype(np.float32), f"{name}_bs")])
+        nodes.extend([
+            helper.make_node("DequantizeLinear", [f"{name}_w", f"{name}_ws", f"{name}_wzp"], [f"{name}_wd"], axis=1),
+            helper.make_node("MatMul", [source, f"{name}_wd"], [f"{name}_mm"]),
+            helper.make_node("DequantizeLinear", [f"{name}_b", f"{name}_bs"], [f"{name}_bd"], axis=0),
+            helper.make_node("Add", [f"{name}_mm", f"{name}_bd"], [f"{name}_lin"]),
+            helper.make_node("QuantizeLinear", [f"{name}_lin", "h_scale", "h_zp"], [f"{name}_q"]),
+            helper.make_node("DequantizeLinear", [f"{name}_q", "h_scale", "h_zp"], [out]),
+        ])
+
+    linear("lin_q", "xd", K, "q")
+    linear("lin_k", "xd", K, "k")
+    linear("lin_2", "q", N, "y")
+    nodes.append(helper.make_node("Identity", ["mask"], ["mask_out"]))
+    graph = helper.make_graph(
+        nodes, "two_layers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", K]),
+         helper.make_tensor_value_info("mask", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", "s", N]) for name in ("y", "k")]
+        + [helper.make_tensor_value_info("mask_out", TensorProto.INT64, ["b", "s"])], inits,
+        value_info=[helper.make_tensor_value_info("xq", TensorProto.UINT8, ["b", "s", K]),
+                    helper.make_tensor_value_info("lin_q_q", TensorProto.UINT8, ["b", "s", N])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def test_two_symbolic_leading_dims_read_one_shape_of_the_input_that_has_them_and_stay_value_identical() -> None:
+    """With ``[b, s]`` symbolic, the output shapes come from one ``Shape(mask)`` and one ``Concat`` per width.
+
+    Before: one ``Shape(x_q) -> Concat`` per linear (3 + 3 nodes), and the ``Shape`` reader on ``lin_2``'s input
+    kept ``lin_q``'s restoring ``Reshape`` alive. Now: 1 ``Shape`` + 1 ``Concat`` (every width is N), and
+    ``collapse_reshapes`` drops ``lin_q``'s unflatten (``q`` flows into ``lin_2`` as 2-D rows).
+    """
+    model = _two_layer_graph()
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    report = apply(rewritten, [RULE, CollapseReshapes()])
+    assert report.counts[RULE.name] == 3 and not report.skipped
+    onnx.checker.check_model(rewritten, full_check=True)
+    ops = collections.Counter(n.op_type for n in rewritten.graph.node)
+    assert ops["Gemm"] == 3 and ops["MatMul"] == 0
+    assert ops["Shape"] == 1 and ops["Concat"] == 1
+    (shape,) = (n for n in rewritten.graph.node if n.op_type == "Shape")
+    assert list(shape.input) == ["mask"]
+    # flatten(xq) shared by lin_q / lin_k; lin_q's unflatten collapsed into lin_2's flatten; lin_k, lin_2 unflatten
+    assert ops["Reshape"] == 3
+    for b, s in ((2, 3), (1, 7), (3, 1)):
+        feeds = {"x": RNG.standard_normal([b, s, K]).astype(np.float32) * 2, "mask": np.ones((b, s), np.int64)}
+        before, after = run(model, feeds), run(rewritten, feeds)
+        for expected, got in zip(before, after, strict=True):
+            assert got.shape == expected.shape
+            np.testing.assert_array_equal(got, expected)
+    assert_idempotent(rewritten, RULE)

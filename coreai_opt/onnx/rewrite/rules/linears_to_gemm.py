@@ -10,8 +10,12 @@ into one ``QGemm`` that writes int8 directly, as it does for a CNN's classifier.
     after:   x_q -> Reshape[-1, K] -> DQ, DQ(W_q) -> Gemm(C = DQ(b_q)) -> Q -> Reshape[*lead(x_q), N]
 
 The reshapes move quantized integers (no value changes), and ``Gemm(A, B, C) = A·B + C`` is the same sum as
-``MatMul + Add``, so the file computes exactly what it did before; the leading sizes are read from ``x_q`` at run
-time (``Shape(x_q, end=-1)``) when two or more are symbolic, so a dynamic batch and sequence length keep working.
+``MatMul + Add``, so the file computes exactly what it did before; the leading sizes are read at run time when two
+or more are symbolic, so a dynamic batch and sequence length keep working: from one ``Shape`` of a graph input
+whose shape is exactly those sizes (``input_ids [batch, sequence]``), shared by every linear, else from
+``Shape(x_q, end=-1)`` per linear. Measured side by side (corpus 2-layer encoders, dynamic sequence, 1 thread,
+batch 1, 400 interleaved rounds; latency / ``quantize_static``'s, median): MPNet 1.29x -> 1.23x (12 ``Shape`` -> 5
+in onnxruntime's optimized graph), DeBERTa-v2 1.17x -> 1.11x, BERT 0.98x -> 0.94x.
 One flattening ``Reshape`` is shared by every linear reading the same ``x_q`` (e.g. attention's q, k and v).
 
 Only the pattern onnxruntime turns into ``QGemm`` is rewritten: 8-bit per-tensor activation, 8-bit per-tensor or
