@@ -1,5 +1,9 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
+``transformer_encoder/w8a8/fold`` and ``/insert_mul`` (the zoo's torch.export captures, dynamic ``[batch,
+sequence]``) were re-recorded when ``linears_to_gemm`` began to read the run-time shape of its linears from one
+``Shape`` of a graph input: their quantizers and eager outputs are unchanged, their structure and shape constants
+changed on purpose.
 ``zoo_fingerprints.json`` was last re-recorded when the rule ``fold_pads_into_convs`` joined the post-passes: the
 graph of every one of the 68 cases was unchanged (no zoo model pads explicitly), only the rewrite report in the
 model metadata lists the new rule. Before that it was re-recorded after issue 31's move of the modules into the
