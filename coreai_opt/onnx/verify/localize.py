@@ -270,10 +270,9 @@ def add_outputs_and_save(model: onnx.ModelProto, tensors: list[str], directory: 
     return path
 
 
-def _local_kernels(optimized: onnx.ModelProto, tensor: str, boundaries: set[str]) -> Counter[str]:
-    """Non-exact kernels that compute ``tensor`` from the boundaries (or inputs / constants) before it."""
-    graph = OnnxGraph(optimized)
-    seen, stack, counts = set(), [tensor], Counter()
+def non_exact_behind(graph: OnnxGraph, tensor: str, boundaries: set[str]) -> tuple[list[onnx.NodeProto], set[str]]:
+    """The non-exact kernels computing ``tensor``, walking back to the ``boundaries``; and the boundaries reached."""
+    seen, stack, found, reached = set(), [tensor], [], set()
     while stack:
         node = graph.producer(stack.pop())
         if node is None or id(node) in seen:
@@ -281,9 +280,18 @@ def _local_kernels(optimized: onnx.ModelProto, tensor: str, boundaries: set[str]
         seen.add(id(node))
         entry = kernel_numerics(node)
         if entry is None or entry.status is not Status.EXACT:
-            counts[node.op_type] += 1
-        stack += [name for name in node.input if name and name not in boundaries]
-    return counts
+            found.append(node)
+        for name in node.input:
+            if name in boundaries:
+                reached.add(name)
+            elif name:
+                stack.append(name)
+    return found, reached
+
+
+def _local_kernels(optimized: onnx.ModelProto, tensor: str, boundaries: set[str]) -> Counter[str]:
+    """Non-exact kernels that compute ``tensor`` from the boundaries (or inputs / constants) before it."""
+    return Counter(node.op_type for node in non_exact_behind(OnnxGraph(optimized), tensor, boundaries)[0])
 
 
 def _classify(kernels: Counter[str], optimized: onnx.ModelProto) -> str:

@@ -61,8 +61,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.verify.fusion_report import optimized_model
-from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, quantizer_boundaries
-from coreai_opt.onnx.verify.ort_kernels import Status, kernel_numerics
+from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
+from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
 from coreai_opt.onnx.verify.tolerance import tensor_bounds
 
 __all__ = ["QuantizerCodes", "compare_quantizer_codes", "MISMATCH_EXACT", "MISMATCH_INTEGER", "MISMATCH_FLOAT",
@@ -171,22 +171,10 @@ def _broadcast(values: np.ndarray, axis: int, ndim: int) -> np.ndarray:
 
 def _feeding(graph: OnnxGraph, tensor: str, boundaries: set[str]) -> tuple[str, set[str]]:
     """(kernel class, boundary tensors read) of the ops computing ``tensor`` from the boundaries before it."""
-    seen, stack, entries, reached = set(), [tensor], [], set()
-    while stack:
-        node = graph.producer(stack.pop())
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        entry = kernel_numerics(node)
-        if entry is None or entry.status is not Status.EXACT:
-            entries.append(entry)
-        for name in node.input:
-            if name in boundaries:
-                reached.add(name)
-            elif name:
-                stack.append(name)
-    if not entries:
+    nodes, reached = non_exact_behind(graph, tensor, boundaries)
+    if not nodes:
         return "exact", reached
+    entries = [kernel_numerics(node) for node in nodes]
     return ("integer" if all(e is not None and e.integer_output for e in entries) else "float"), reached
 
 
