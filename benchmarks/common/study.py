@@ -8,6 +8,7 @@ no heavy library (listing the studies must stay instant): the runner imports the
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import warnings
 from collections.abc import Callable
@@ -29,6 +30,21 @@ class Study:
     duration: str  # how long it takes on the 2-core reference machine
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+
+    @classmethod
+    def from_module(cls, name: str, measures: str, duration: str, module: str, entry: str = "run") -> Study:
+        """A study whose ``module`` defines ``configure(parser)`` and ``<entry>(args) -> int``.
+
+        The module is imported when the study is configured or run, never when the studies are listed.
+        """
+
+        def configure(parser: argparse.ArgumentParser) -> None:
+            importlib.import_module(module).configure(parser)
+
+        def run(args: argparse.Namespace) -> int:
+            return getattr(importlib.import_module(module), entry)(args)
+
+        return cls(name, measures, duration, configure, run)
 
     @property
     def folder(self) -> Path:

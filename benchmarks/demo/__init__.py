@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks.common.study import Study
 
 __all__ = ["STUDY"]
 
 
-def _configure(parser: argparse.ArgumentParser) -> None:
-    from benchmarks.demo import kernels
-
-    kernels.configure(parser)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from benchmarks.demo import kernels
-
-    return kernels.main(args)
-
-
-STUDY = Study(
+STUDY = Study.from_module(
     name="demo",
     measures="the coreai-opt demo under emulated CPU kernels: every conv / linear output moved by up to --ulps "
              "float32 ulps in calibration and eager; how many tables (latency aside) equal the unperturbed one",
     duration="about 20 s a run on a quiet machine (8 runs: under 3 min); prints to the console",
-    configure=_configure,
-    run=_run,
+    module="benchmarks.demo.kernels",
+    entry="main",
 )

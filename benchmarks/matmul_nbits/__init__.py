@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks.common.study import Study
 
 __all__ = ["STUDY"]
 
 
-def _configure(parser: argparse.ArgumentParser) -> None:
-    from benchmarks.matmul_nbits import compute_modes
-
-    compute_modes.configure(parser)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from benchmarks.matmul_nbits import compute_modes
-
-    return compute_modes.run(args)
-
-
-STUDY = Study(
+STUDY = Study.from_module(
     name="matmul_nbits",
     measures="w8 / w4 weight-only decoder at compute float vs int8: MatMulNBits accuracy levels, error vs eager, "
              "top-1 agreement, latency / fp32 at batch 1 and 8 (onnxruntime, 1 thread)",
     duration="not recorded; run on a quiet machine (the ratios are the speed claim); --quick is a smoke run",
-    configure=_configure,
-    run=_run,
+    module="benchmarks.matmul_nbits.compute_modes",
 )

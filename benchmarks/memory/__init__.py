@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks.common.study import Study
 
 __all__ = ["STUDY"]
 
 
-def _configure(parser: argparse.ArgumentParser) -> None:
-    from benchmarks.memory import pipeline_memory
-
-    pipeline_memory.configure(parser)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from benchmarks.memory import pipeline_memory
-
-    return pipeline_memory.run(args)
-
-
-STUDY = Study(
+STUDY = Study.from_module(
     name="memory",
     measures="peak RSS of prepare / calibrate / convert / export / verify as multiples of the fp32 weights, each "
              "(model, preset) in a fresh process, against a plain float dynamo export",
     duration="2.4 GB row: about 3.5 min of stages per preset + 25 s float export (needs ~5 GB free); "
              "the 1.1 B decoder needs ~10 GB",
-    configure=_configure,
-    run=_run,
+    module="benchmarks.memory.pipeline_memory",
 )

@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks.common.study import Study
 
 __all__ = ["STUDY"]
 
 
-def _configure(parser: argparse.ArgumentParser) -> None:
-    from benchmarks.sweep import run
-
-    run.configure(parser)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from benchmarks.sweep import run
-
-    run.main(args)
-    return 0
-
-
-STUDY = Study(
+STUDY = Study.from_module(
     name="sweep",
     measures="prepare -> calibrate -> convert -> export -> verify on 389 architectures (291 transformers model types, "
              "98 timm families) beside quantize_static: stage reached, error class, SQNR ours / peer, integer kernels",
     duration="chunked and resumable (--chunk i/n); chunk 0/13 ran 21 of 30 models in 29.7 min on a loaded machine",
-    configure=_configure,
-    run=_run,
+    module="benchmarks.sweep.run",
+    entry="main",
 )

@@ -94,7 +94,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one model, row on stdout
 
 
-def main(argv: list[str] | argparse.Namespace | None = None) -> None:
+def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     """Run a chunk (module docstring); ``argv`` is a parsed namespace when ``benchmarks.run`` calls it."""
     if isinstance(argv, argparse.Namespace):
         args = argv
@@ -105,7 +105,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         print("SWEEP-ROW " + json.dumps(_run_one(args.one, args.out), default=str), flush=True)
-        return
+        return 0
     from benchmarks.sweep.catalog import sweep_entries
 
     index, count = (int(v) for v in args.chunk.split("/"))
@@ -130,4 +130,4 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> None:
         print(f"{name}: {_stage_reached(row)} {error_class(row.get('error'))} ({row['wall']:.0f} s)", flush=True)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
     write_table(rows, args.out / "RESULTS.md", sum(float(r.get("wall", 0)) for r in rows))
-
+    return 0
