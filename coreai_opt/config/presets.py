@@ -149,26 +149,19 @@ def _activation(
             f"unknown activation_range {activation_range!r}; valid choices: {', '.join(ACTIVATION_RANGES)}"
         )
     range_calculator, qparams_calculator = ACTIVATION_RANGES[activation_range]
-    if percentile is None:
-        return QuantizationSpec(
-            dtype=dtype,
-            qscheme=qscheme,
-            granularity=PerTensor(),
-            range_calculator=range_calculator,
-            qparams_calculator=qparams_calculator,
-        )
-    if activation_range != "percentile":
+    if percentile is not None and activation_range != "percentile":
         raise ValueError(
             f"percentile={percentile!r} only applies to activation_range='percentile', "
             f"not {activation_range!r}; drop percentile or set activation_range='percentile'"
         )
+    options = {} if percentile is None else {"percentile": percentile}
     return QuantizationSpec(
         dtype=dtype,
         qscheme=qscheme,
         granularity=PerTensor(),
         range_calculator=range_calculator,
         qparams_calculator=qparams_calculator,
-        percentile=percentile,
+        **options,
     )
 
 
@@ -255,9 +248,7 @@ def w8a8(activation_range: str = "minmax", percentile: float | None = None) -> Q
 def w8a8_sym(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
     """Int8 per-channel weights + int8 symmetric per-tensor activations.
 
-    Args:
-        activation_range: One of :data:`ACTIVATION_RANGES`.
-        percentile: Percentile for ``activation_range="percentile"``.
+    ``activation_range`` and ``percentile`` as for :func:`w8a8`.
     """
     return _build("w8a8_sym", activation_range=activation_range, percentile=percentile)
 
@@ -301,9 +292,7 @@ def w8a16(activation_range: str = "minmax", percentile: float | None = None,
 def fp8(activation_range: str = "minmax", percentile: float | None = None) -> QuantizerConfig:
     """float8_e4m3fn symmetric weights (per-channel, axis 0) and activations (per-tensor); biases stay float.
 
-    Args:
-        activation_range: One of :data:`ACTIVATION_RANGES`.
-        percentile: Percentile for ``activation_range="percentile"``.
+    ``activation_range`` and ``percentile`` as for :func:`w8a8`.
     """
     return _build("fp8", activation_range=activation_range, percentile=percentile)
 

@@ -67,6 +67,8 @@ class _MemoryFormat:
 
 @dataclass(frozen=True)
 class _NodeRecord:
+    """One node as pickle stores it: targets, arguments and meta rewritten into picklable records."""
+
     name: str
     op: str
     target: Any

@@ -27,26 +27,26 @@ from coreai_opt.reference_models.sequence_models import (
     transformer_encoder,
 )
 
-__all__ = [
-    "load_digits_cnn",
+__all__ = [  # alphabetical
     "BasicBlock",
     "Bottleneck",
-    "ResNetStyle",
+    "Conv1dGroupNorm",
+    "ConvTransposeDecoder",
+    "DigitsCNN",
+    "EncoderBlock",
+    "InvertedResidual",
+    "load_digits_cnn",
+    "mobilenet_v2_style",
+    "MobileNetV2Style",
+    "randomize_batchnorm",
     "resnet18_style",
     "resnet50_style",
-    "InvertedResidual",
-    "MobileNetV2Style",
-    "mobilenet_v2_style",
-    "ConvTransposeDecoder",
+    "ResNetStyle",
     "SelfAttention",
-    "EncoderBlock",
-    "TransformerEncoderClassifier",
-    "transformer_encoder",
-    "TorchTransformerClassifier",
     "ShapeUnpackModel",
-    "Conv1dGroupNorm",
-    "DigitsCNN",
-    "randomize_batchnorm",
+    "TorchTransformerClassifier",
+    "transformer_encoder",
+    "TransformerEncoderClassifier",
 ]
 
 # Every public name is addressed as coreai_opt.reference_models.<name>, whichever file holds its code: the exported

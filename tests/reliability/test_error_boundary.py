@@ -41,8 +41,17 @@ EXTRA_PUBLIC = ("coreai_opt.onnx.export.save.write_bytes_atomically",
                 "coreai_opt.onnx.export.save.write_text_atomically")
 
 
+def _own_attributes(cls: type) -> dict[str, Any]:
+    """``vars`` of the class and of its coreai_opt bases (inherited public methods are public API too)."""
+    attributes: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.startswith("coreai_opt"):
+            attributes.update(vars(klass))
+    return attributes
+
+
 def _class_methods(cls: type, seen: set[int]) -> Iterator[tuple[str, Any]]:
-    for name, value in vars(cls).items():
+    for name, value in _own_attributes(cls).items():
         if name.startswith("_"):
             continue
         raw = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value

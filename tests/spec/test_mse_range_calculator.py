@@ -68,9 +68,14 @@ def test_mse_range_calculator_keeps_full_range_on_uniform_data_per_channel():
     assert factors[0] < 0.85 and factors[1] > 0.97, factors  # measured 0.78 and 1.0
 
 
+class _SevenCandidates(MSERangeCalculator):
+    num_candidates = 7
+    min_factor = 0.2
+
+
 def test_mse_range_calculator_candidate_errors_match_direct_computation():
     x = _student_t(5_000, seed=3)
-    calc = MSERangeCalculator(num_bins=256, dtype="int4", num_candidates=7, min_factor=0.2)
+    calc = _SevenCandidates(num_bins=256, dtype="int4")
     calc.update(x)
     factors, errors = calc.candidate_errors()
     hist = calc.histogram
@@ -119,10 +124,10 @@ def test_mse_range_calculator_from_spec_reads_dtype_and_scheme():
     assert calc.dtype_info.name == "uint4" and calc.qscheme is QuantizationScheme.ASYMMETRIC and calc.num_bins == 1024
 
 
-def test_mse_range_calculator_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="num_candidates"):
-        MSERangeCalculator(num_candidates=1)
-    with pytest.raises(ValueError, match="min_factor"):
-        MSERangeCalculator(min_factor=1.5)
+def test_mse_range_calculator_rejects_bad_arguments_and_bad_subclass_knobs():
+    with pytest.raises(ValueError, match="num_candidates=1 must be an int >= 2"):
+        type("OneCandidate", (MSERangeCalculator,), {"num_candidates": 1})
+    with pytest.raises(ValueError, match="min_factor=1.5 must be in"):
+        type("FactorAboveOne", (MSERangeCalculator,), {"min_factor": 1.5})
     with pytest.raises(ValueError, match="symmetric"):
         MSERangeCalculator(dtype="float8_e5m2", qscheme="asymmetric")

@@ -36,10 +36,10 @@ import torch
 from torch import Tensor, fx, nn
 
 from coreai_opt.api.algorithms.scaling_checks import (
+    ScaledModel,
     check_float_outputs_kept,
     keep_token_rows,
     site_cells,
-    sites_table,
 )
 from coreai_opt.api.internals.batches import as_call
 from coreai_opt.config import QuantizerConfig
@@ -74,19 +74,13 @@ class AwqSiteReport:
     error_after: float
 
 
-@dataclass(frozen=True)
-class AwqResult:
-    """The scaled float model (a captured GraphModule) and the per-site report."""
+class AwqResult(ScaledModel[AwqSiteReport]):
+    """The scaled float model and the per-site report: chosen ``α``, relative output error before → after."""
 
-    model: fx.GraphModule
-    sites: tuple[AwqSiteReport, ...]
+    columns = ("input of", "kind", "α", "relative error before → after")
 
-    @public_api
-    def table(self) -> str:
-        """Markdown table of the sites: chosen ``α`` and the relative output error before → after."""
-        return sites_table(["input of", "kind", "α", "relative error before → after"],
-                           ([*site_cells(r.site, r.alpha), f"{r.error_before:.3g} → {r.error_after:.3g}"]
-                            for r in self.sites))
+    def _row(self, report: AwqSiteReport) -> list[str]:
+        return [*site_cells(report.site, report.alpha), f"{report.error_before:.3g} → {report.error_after:.3g}"]
 
 
 @public_api

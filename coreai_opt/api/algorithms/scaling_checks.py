@@ -7,13 +7,17 @@ rewrite catches a site that was wrongly judged foldable (the float model would c
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
 
-from torch import Tensor
+from torch import Tensor, fx
 
+from coreai_opt.error_boundary import public_api
 from coreai_opt.passes.smooth_linear_inputs import SmoothingSite
 
-__all__ = ["keep_token_rows", "check_float_outputs_kept", "site_cells", "sites_table"]
+__all__ = ["ScaledModel", "keep_token_rows", "check_float_outputs_kept", "site_cells", "sites_table"]
+
+SiteReportT = TypeVar("SiteReportT")
 
 
 def site_cells(site: SmoothingSite, alpha: float | None) -> list[str]:
@@ -28,6 +32,27 @@ def sites_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(rule) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ScaledModel(Generic[SiteReportT]):
+    """A scaled float model (a captured GraphModule) and one report per site.
+
+    Subclasses name their table's ``columns`` and render one report as a row (:meth:`_row`).
+    """
+
+    model: fx.GraphModule
+    sites: tuple[SiteReportT, ...]
+
+    columns: ClassVar[tuple[str, ...]] = ()
+
+    def _row(self, report: SiteReportT) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__} must define _row")
+
+    @public_api
+    def table(self) -> str:
+        """Markdown table of the sites, one row per site report."""
+        return sites_table(self.columns, (self._row(report) for report in self.sites))
 
 
 def keep_token_rows(samples: dict[str, list[Tensor]], name: str, rows: Tensor, max_tokens: int) -> None:

@@ -41,10 +41,10 @@ from torch import Tensor, fx, nn
 
 from coreai_opt.api.algorithms.activation_stats import ChannelAbsMax
 from coreai_opt.api.algorithms.scaling_checks import (
+    ScaledModel,
     check_float_outputs_kept,
     keep_token_rows,
     site_cells,
-    sites_table,
 )
 from coreai_opt.api.internals.batches import as_call
 from coreai_opt.error_boundary import public_api
@@ -79,23 +79,15 @@ class SiteReport:
     act_ratio_after: float
 
 
-@dataclass(frozen=True)
-class SmoothQuantResult:
-    """The smoothed model (a captured GraphModule) and the per-site report."""
+class SmoothQuantResult(ScaledModel[SiteReport]):
+    """The smoothed model and the per-site report: ``α``, applied or not, outlier ratio before → after."""
 
-    model: fx.GraphModule
-    sites: tuple[SiteReport, ...]
+    columns = ("input of", "kind", "foldable", "α", "applied", "outlier ratio before → after")
 
-    @public_api
-    def table(self) -> str:
-        """Markdown table of the sites."""
-        columns = ["input of", "kind", "foldable", "α", "applied", "outlier ratio before → after"]
-        rows = []
-        for r in self.sites:
-            consumers, kind, alpha = site_cells(r.site, r.alpha)
-            rows.append([consumers, kind, "yes" if r.site.foldable else "no", alpha, "yes" if r.applied else "no",
-                         f"{r.act_ratio_before:.1f} → {r.act_ratio_after:.1f}"])
-        return sites_table(columns, rows)
+    def _row(self, report: SiteReport) -> list[str]:
+        consumers, kind, alpha = site_cells(report.site, report.alpha)
+        return [consumers, kind, "yes" if report.site.foldable else "no", alpha, "yes" if report.applied else "no",
+                f"{report.act_ratio_before:.1f} → {report.act_ratio_after:.1f}"]
 
 
 @public_api

@@ -36,14 +36,13 @@ import torch
 from torch import Tensor
 
 from coreai_opt.quantization.ranges.histogram import RowHistogram
-from coreai_opt.quantization.ranges.histogram_range_calculator import HistogramRangeCalculatorBase, target_format
+from coreai_opt.quantization.ranges.histogram_range_calculator import FormatSearchRangeCalculatorBase
 from coreai_opt.quantization.ranges.range_calculator import RANGE_CALCULATORS
-from coreai_opt.quantization.spec.dtypes import QuantDtype
-from coreai_opt.quantization.spec.granularity import Granularity, QuantizationScheme
+from coreai_opt.quantization.spec.granularity import QuantizationScheme
 from coreai_opt.quantization.spec.qparams_math import quant_range
 
 if TYPE_CHECKING:
-    from coreai_opt.quantization.spec.spec import QuantizationSpec
+    pass
 
 __all__ = ["EntropyRangeCalculator", "kl_divergence_per_threshold"]
 
@@ -120,30 +119,12 @@ def kl_divergence_per_threshold(abs_counts: Tensor, levels: int) -> tuple[Tensor
 
 
 @RANGE_CALCULATORS.register("entropy")
-class EntropyRangeCalculator(HistogramRangeCalculatorBase):
+class EntropyRangeCalculator(FormatSearchRangeCalculatorBase):
     """Symmetric clipping threshold minimising ``KL(P ‖ Q)`` on the ``|x|`` histogram (see module docs).
 
-    Args:
-        granularity: How elements are grouped into qparams.
-        num_bins: Histogram bins per row (power of two ``>= 16``); the ``|x|`` histogram has half as many.
-        dtype: Quantized dtype (sets the number of levels).
-        qscheme: Quantization scheme (``asymmetric`` one-sided rows use every level).
+    Constructor arguments as :class:`FormatSearchRangeCalculatorBase` (the ``|x|`` histogram has half of
+    ``num_bins``; ``dtype`` sets the number of levels; ``asymmetric`` one-sided rows use every level).
     """
-
-    def __init__(
-        self,
-        granularity: Granularity | None = None,
-        *,
-        num_bins: int = 2048,
-        dtype: str | torch.dtype | QuantDtype = "int8",
-        qscheme: QuantizationScheme | str = QuantizationScheme.SYMMETRIC,
-    ) -> None:
-        super().__init__(granularity, num_bins=num_bins)
-        self.dtype_info, self.qscheme = target_format(dtype, qscheme)
-
-    @classmethod
-    def from_spec(cls, spec: QuantizationSpec) -> EntropyRangeCalculator:  # noqa: D102
-        return cls(spec.granularity, num_bins=spec.num_bins, dtype=spec.dtype_info, qscheme=spec.qscheme)
 
     def num_levels(self, one_sided: bool) -> int:
         """Quantization levels available to ``[0, T]`` (before capping at the bin count)."""

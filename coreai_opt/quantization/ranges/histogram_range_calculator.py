@@ -2,8 +2,8 @@
 
 A calculator keeps one :class:`~coreai_opt.quantization.ranges.histogram.RowHistogram` over the rows view of
 the observed tensor (the exact, mergeable statistics) and turns it into per-row ranges; subclasses choose how
-(:meth:`HistogramRangeCalculatorBase._rows_range`). :func:`target_format` resolves the dtype and scheme the
-error-minimising searches (mse, entropy) optimise for.
+(:meth:`HistogramRangeCalculatorBase._rows_range`). The error-minimising searches (mse, entropy) derive from
+:class:`FormatSearchRangeCalculatorBase`, which also knows the dtype and scheme they optimise for.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from coreai_opt.quantization.spec.granularity import Granularity, QuantizationSc
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
 
-__all__ = ["HistogramRangeCalculatorBase", "target_format"]
+__all__ = ["FormatSearchRangeCalculatorBase", "HistogramRangeCalculatorBase"]
 
 
 class HistogramRangeCalculatorBase(RangeCalculatorBase):
@@ -143,16 +143,34 @@ class HistogramRangeCalculatorBase(RangeCalculatorBase):
         self._shape_known = counts is not None and counts.dim() == 2 and counts.shape[0] > 0
 
 
-def target_format(
-    dtype: str | torch.dtype | QuantDtype, qscheme: QuantizationScheme | str
-) -> tuple[QuantDtype, QuantizationScheme]:
-    """Resolve the dtype and scheme a histogram calculator optimises its range for (mse, entropy).
+class FormatSearchRangeCalculatorBase(HistogramRangeCalculatorBase):
+    """A histogram range searched for the error of one quantized format (``mse``, ``entropy``).
+
+    Args:
+        granularity: How elements are grouped into qparams.
+        num_bins: Histogram bins per row (power of two ``>= 16``).
+        dtype: Quantized dtype the error is measured for (name, torch dtype or ``QuantDtype``).
+        qscheme: Quantization scheme the error is measured for.
 
     Raises:
         ValueError: unknown dtype, or a float8 dtype with an asymmetric scheme.
     """
-    info = dtype if isinstance(dtype, QuantDtype) else get_dtype_info(dtype)
-    scheme = QuantizationScheme(qscheme)
-    if info.is_float and scheme is QuantizationScheme.ASYMMETRIC:
-        raise ValueError(f"dtype {info.name!r} is a float format; use qscheme='symmetric'")
-    return info, scheme
+
+    def __init__(
+        self,
+        granularity: Granularity | None = None,
+        *,
+        num_bins: int = 2048,
+        dtype: str | torch.dtype | QuantDtype = "int8",
+        qscheme: QuantizationScheme | str = QuantizationScheme.SYMMETRIC,
+    ) -> None:
+        super().__init__(granularity, num_bins=num_bins)
+        info = dtype if isinstance(dtype, QuantDtype) else get_dtype_info(dtype)
+        scheme = QuantizationScheme(qscheme)
+        if info.is_float and scheme is QuantizationScheme.ASYMMETRIC:
+            raise ValueError(f"dtype {info.name!r} is a float format; use qscheme='symmetric'")
+        self.dtype_info, self.qscheme = info, scheme
+
+    @classmethod
+    def from_spec(cls, spec: QuantizationSpec) -> FormatSearchRangeCalculatorBase:  # noqa: D102
+        return cls(spec.granularity, num_bins=spec.num_bins, dtype=spec.dtype_info, qscheme=spec.qscheme)

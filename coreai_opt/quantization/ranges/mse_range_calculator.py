@@ -20,20 +20,20 @@ step holds at most ``2^22`` elements.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from coreai_opt.quantization.ranges.histogram import RowHistogram
-from coreai_opt.quantization.ranges.histogram_range_calculator import HistogramRangeCalculatorBase, target_format
+from coreai_opt.quantization.ranges.histogram_range_calculator import FormatSearchRangeCalculatorBase
 from coreai_opt.quantization.ranges.range_calculator import RANGE_CALCULATORS
 from coreai_opt.quantization.spec.dtypes import QuantDtype
-from coreai_opt.quantization.spec.granularity import Granularity, QuantizationScheme
+from coreai_opt.quantization.spec.granularity import QuantizationScheme
 from coreai_opt.quantization.spec.qparams_math import compute_qparams, quant_range
 
 if TYPE_CHECKING:
-    from coreai_opt.quantization.spec.spec import QuantizationSpec
+    pass
 
 __all__ = ["MSERangeCalculator", "fake_quantize_values"]
 
@@ -60,40 +60,23 @@ def fake_quantize_values(
 
 
 @RANGE_CALCULATORS.register("mse")
-class MSERangeCalculator(HistogramRangeCalculatorBase):
+class MSERangeCalculator(FormatSearchRangeCalculatorBase):
     """Range minimising the histogram's expected squared fake-quantization error (see module docs).
 
-    Args:
-        granularity: How elements are grouped into qparams.
-        num_bins: Histogram bins per row (power of two ``>= 16``).
-        dtype: Quantized dtype the error is measured for (name, torch dtype or ``QuantDtype``).
-        qscheme: Quantization scheme the error is measured for.
-        num_candidates: Number of shrink factors searched (``>= 2``).
-        min_factor: Smallest shrink factor, in ``(0, 1)``.
+    Constructor arguments as :class:`FormatSearchRangeCalculatorBase`. Class attributes (subclass and register to
+    change them): ``num_candidates``, the number of shrink factors searched (``>= 2``), and ``min_factor``, the
+    smallest shrink factor, in ``(0, 1)``.
     """
 
-    def __init__(
-        self,
-        granularity: Granularity | None = None,
-        *,
-        num_bins: int = 2048,
-        dtype: str | torch.dtype | QuantDtype = "int8",
-        qscheme: QuantizationScheme | str = QuantizationScheme.SYMMETRIC,
-        num_candidates: int = 100,
-        min_factor: float = 0.01,
-    ) -> None:
-        super().__init__(granularity, num_bins=num_bins)
-        self.dtype_info, self.qscheme = target_format(dtype, qscheme)
-        if isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 2:
-            raise ValueError(f"num_candidates={num_candidates!r} must be an int >= 2 (default 100)")
-        if not 0.0 < float(min_factor) < 1.0:
-            raise ValueError(f"min_factor={min_factor!r} must be in (0, 1) (default 0.01)")
-        self.num_candidates = num_candidates
-        self.min_factor = float(min_factor)
+    num_candidates: ClassVar[int] = 100
+    min_factor: ClassVar[float] = 0.01
 
-    @classmethod
-    def from_spec(cls, spec: QuantizationSpec) -> MSERangeCalculator:  # noqa: D102
-        return cls(spec.granularity, num_bins=spec.num_bins, dtype=spec.dtype_info, qscheme=spec.qscheme)
+    def __init_subclass__(cls, **options: Any) -> None:
+        super().__init_subclass__(**options)
+        if isinstance(cls.num_candidates, bool) or not isinstance(cls.num_candidates, int) or cls.num_candidates < 2:
+            raise ValueError(f"{cls.__name__}.num_candidates={cls.num_candidates!r} must be an int >= 2 (default 100)")
+        if not 0.0 < float(cls.min_factor) < 1.0:
+            raise ValueError(f"{cls.__name__}.min_factor={cls.min_factor!r} must be in (0, 1) (default 0.01)")
 
     def candidate_errors(self) -> tuple[Tensor, Tensor]:
         """Return ``(factors (F,), errors (R, F))``: the expected squared error of every candidate range."""

@@ -19,26 +19,18 @@ and round-to-nearest.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
-from coreai_opt.quantization.rounding.input_statistics import InputStatistics
-from coreai_opt.quantization.rounding.rounding_math import (
-    dequantize_rows,
-    least_squares_scale,
-    quantize_rows,
-    row_error,
-    rtn_qparams,
-)
-from coreai_opt.quantization.rounding.weight_rounding import (
-    WEIGHT_ROUNDING,
-    RoundedWeight,
-    WeightRoundingBase,
-    rows_result,
-)
+from coreai_opt.quantization.rounding import rounding_math as rm
+from coreai_opt.quantization.rounding.weight_rounding import WEIGHT_ROUNDING, WeightRoundingBase, rows_result
 from coreai_opt.quantization.spec.granularity import QuantizationScheme
+
+if TYPE_CHECKING:
+    from coreai_opt.quantization.rounding.input_statistics import InputStatistics
+    from coreai_opt.quantization.rounding.weight_rounding import RoundedWeight
 
 __all__ = ["HQQRounding", "shrink_lp"]
 
@@ -74,9 +66,8 @@ class HQQRounding(WeightRoundingBase):
         spec = self.spec
         qmin, qmax = int(spec.quant_min), int(spec.quant_max)
         asymmetric = QuantizationScheme(spec.qscheme) is QuantizationScheme.ASYMMETRIC
-        rtn_s, rtn_z = rtn_qparams(rows, spec.dtype_info, spec.qscheme)
-        rtn_q = quantize_rows(rows, rtn_s, rtn_z, qmin, qmax)
-        rtn_err = row_error(rows, dequantize_rows(rtn_q, rtn_s, rtn_z), None)
+        rtn_s, rtn_z = rm.rtn_qparams(rows, spec.dtype_info, spec.qscheme)
+        rtn_q, rtn_err = rm.quantized_rows_error(rows, rtn_s, rtn_z, qmin, qmax, None)
         s, z = rtn_s.clone(), rtn_z.float()
         best_err, best_s, best_z = rtn_err, s.clone(), z.clone()
         beta = self.beta
@@ -87,19 +78,19 @@ class HQQRounding(WeightRoundingBase):
             if asymmetric:
                 z = (q - (rows - e) / s[:, None]).mean(dim=1)
             else:
-                s = least_squares_scale(rows - e, q, z, None)
+                s = rm.least_squares_scale(rows - e, q, z, None)
             q = torch.clamp(torch.round(rows / s[:, None] + z[:, None]), qmin, qmax)
-            err = row_error(rows, (q - z[:, None]) * s[:, None], None)
+            err = rm.row_error(rows, (q - z[:, None]) * s[:, None], None)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
             beta *= self.kappa
         z_int = torch.clamp(torch.round(best_z), qmin, qmax).to(torch.int32)
         s = best_s
-        q = quantize_rows(rows, s, z_int, qmin, qmax)
+        q = rm.quantize_rows(rows, s, z_int, qmin, qmax)
         for _ in range(self.refinements):
-            s = least_squares_scale(rows, q, z_int, None)
-            q = quantize_rows(rows, s, z_int, qmin, qmax)
-        err = row_error(rows, dequantize_rows(q, s, z_int), None)
-        keep = err < rtn_err
-        return (torch.where(keep[:, None], q, rtn_q), torch.where(keep, s, rtn_s), torch.where(keep, z_int, rtn_z))
+            s = rm.least_squares_scale(rows, q, z_int, None)
+            q = rm.quantize_rows(rows, s, z_int, qmin, qmax)
+        best = rm.BestRows(rtn_err, rtn_q, rtn_s, rtn_z)
+        best.offer(rm.row_error(rows, rm.dequantize_rows(q, s, z_int), None), q, s, z_int)
+        return best.result()

@@ -22,10 +22,10 @@ from torch import Tensor
 
 from coreai_opt.quantization.rounding.input_statistics import InputStatistics
 from coreai_opt.quantization.rounding.rounding_math import (
-    dequantize_rows,
+    BestRows,
     least_squares_scale,
     quantize_rows,
-    row_error,
+    quantized_rows_error,
     rtn_qparams,
 )
 from coreai_opt.quantization.rounding.weight_rounding import (
@@ -76,35 +76,26 @@ def _search_chunk(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`search_rows` on one chunk of rows."""
     qmin, qmax = int(spec.quant_min), int(spec.quant_max)
-    best_err = best_q = best_s = best_z = None
+    best: BestRows | None = None
     for alpha in grid:
         s, z = rtn_qparams(rows, spec.dtype_info, spec.qscheme, alpha)
-        q = quantize_rows(rows, s, z, qmin, qmax)
-        err = row_error(rows, dequantize_rows(q, s, z), importance)
-        if best_err is None:
-            best_err, best_q, best_s, best_z = err, q, s, z
-            continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_q = torch.where(better[:, None], q, best_q)
-        best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+        q, err = quantized_rows_error(rows, s, z, qmin, qmax, importance)
+        if best is None:
+            best = BestRows(err, q, s, z)
+        else:
+            best.offer(err, q, s, z)
+    assert best is not None, "the clip grid is never empty (it starts with 1.0)"
     shifts = (0, -1, 1) if QuantizationScheme(spec.qscheme) is QuantizationScheme.ASYMMETRIC else (0,)
     for _ in range(refinements):
         improved = False
         for shift in shifts:
-            z = torch.clamp(best_z + shift, qmin, qmax)
-            s = least_squares_scale(rows, quantize_rows(rows, best_s, z, qmin, qmax), z, importance)
-            q = quantize_rows(rows, s, z, qmin, qmax)
-            err = row_error(rows, dequantize_rows(q, s, z), importance)
-            better = err < best_err
-            if bool(better.any()):
-                improved = True
-                best_err = torch.where(better, err, best_err)
-                best_q = torch.where(better[:, None], q, best_q)
-                best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+            z = torch.clamp(best.zero_point + shift, qmin, qmax)
+            s = least_squares_scale(rows, quantize_rows(rows, best.scale, z, qmin, qmax), z, importance)
+            q, err = quantized_rows_error(rows, s, z, qmin, qmax, importance)
+            improved |= best.offer(err, q, s, z)
         if not improved:
             break
-    return best_q, best_s, best_z
+    return best.result()
 
 
 @WEIGHT_ROUNDING.register("mse")

@@ -16,6 +16,8 @@ the element multiplies; 1 when absent), ``(qmin, qmax)`` the integer range, ``z`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -24,9 +26,11 @@ from coreai_opt.quantization.spec.granularity import QuantizationScheme
 from coreai_opt.quantization.spec.qparams_math import SCALE_EPS, compute_qparams, quant_range
 
 __all__ = [
+    "BestRows",
     "dequantize_rows",
     "least_squares_scale",
     "quantize_rows",
+    "quantized_rows_error",
     "row_error",
     "rtn_qparams",
     "symmetric_zero_point",
@@ -97,3 +101,34 @@ def least_squares_scale(rows: Tensor, q: Tensor, zero_point: Tensor, importance:
     den = (weighted * centred).sum(dim=1)
     scale = num / torch.where(den > 0, den, torch.ones_like(den))
     return torch.where((den > 0) & (scale.abs() >= SCALE_EPS), scale, torch.full_like(scale, SCALE_EPS))
+
+
+def quantized_rows_error(
+    rows: Tensor, scale: Tensor, zero_point: Tensor, qmin: int, qmax: int, importance: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(q, e)`` for given qparams: ``q = clamp(round(w / s) + z, qmin, qmax)``, ``e = Σ_j h_j (w_j − ŵ_j)²``."""
+    q = quantize_rows(rows, scale, zero_point, qmin, qmax)
+    return q, row_error(rows, dequantize_rows(q, scale, zero_point), importance)
+
+
+@dataclass
+class BestRows:
+    """Per row, the ``(q, scale, zero_point)`` with the smallest error offered so far (the first offer on ties)."""
+
+    error: Tensor
+    q: Tensor
+    scale: Tensor
+    zero_point: Tensor
+
+    def offer(self, error: Tensor, q: Tensor, scale: Tensor, zero_point: Tensor) -> bool:
+        """Keep, row by row, the candidate where ``error < self.error``; True when any row improved."""
+        better = error < self.error
+        self.error = torch.where(better, error, self.error)
+        self.q = torch.where(better[:, None], q, self.q)
+        self.scale = torch.where(better, scale, self.scale)
+        self.zero_point = torch.where(better, zero_point, self.zero_point)
+        return bool(better.any())
+
+    def result(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(q, scale, zero_point)``."""
+        return self.q, self.scale, self.zero_point

@@ -44,6 +44,9 @@ from coreai_opt.quantization.spec.registry import family
 
 __all__ = ["QuantizationSpec"]
 
+#: ``(low, high)`` of the fields that must satisfy ``low < value <= high``.
+_HALF_OPEN_BOUNDS: dict[str, tuple[float, float]] = {"averaging_constant": (0.0, 1.0), "percentile": (50.0, 100.0)}
+
 
 class QuantizationSpec(BaseModel):
     """How one tensor is quantized.
@@ -164,18 +167,12 @@ class QuantizationSpec(BaseModel):
             raise ValueError(f"float_range={value!r} needs min < max")
         return (lo, hi)
 
-    @field_validator("averaging_constant")
+    @field_validator("averaging_constant", "percentile")
     @classmethod
-    def _check_averaging_constant(cls, value: float) -> float:
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"averaging_constant={value} must satisfy 0 < averaging_constant <= 1")
-        return value
-
-    @field_validator("percentile")
-    @classmethod
-    def _check_percentile(cls, value: float) -> float:
-        if not 50.0 < value <= 100.0:
-            raise ValueError(f"percentile={value} must satisfy 50 < percentile <= 100")
+    def _check_half_open_interval(cls, value: float, info: ValidationInfo) -> float:
+        low, high = _HALF_OPEN_BOUNDS[info.field_name]
+        if not low < value <= high:
+            raise ValueError(f"{info.field_name}={value} must satisfy {low:g} < {info.field_name} <= {high:g}")
         return value
 
     @field_validator("num_bins")
