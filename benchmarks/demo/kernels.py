@@ -10,7 +10,7 @@ uniform random factor :math:`1 + u \\cdot k \\cdot 2^{-24}`, :math:`u \\in [-1, 
 calibration and in every eager forward (not while the ONNX files are traced), then runs the demo on the shipped
 weights and prints whether its table (latency aside) equals an unperturbed run's, the number of perturbed calls and
 how far the int8 file's scales moved. onnxruntime is not perturbed (its int8 kernels sum in int32). The results
-are quoted in :mod:`coreai_opt.cli.demo`.
+are quoted in :mod:`coreai_opt.cli.commands.demo`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from onnx import numpy_helper
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import coreai_opt
-from coreai_opt.cli import demo
+from coreai_opt.cli.commands import demo
 
 #: The aten ops whose float sums another CPU orders differently (conv, and linear as addmm / mm).
 SUMMING_OPS = frozenset({torch.ops.aten.convolution.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,

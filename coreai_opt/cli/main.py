@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from coreai_opt import third_party_noise
-from coreai_opt.cli import demo, inspect_onnx, quantize
+from coreai_opt.cli.commands import demo, inspect_onnx, quantize
 from coreai_opt.cli.console import Console
 from coreai_opt.cli.usage_errors import EXIT_OK, EXIT_USAGE, one_line
 

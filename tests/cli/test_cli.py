@@ -17,8 +17,8 @@ from onnx import TensorProto
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from coreai_opt.cli import demo
-from coreai_opt.cli.inspect_onnx import summarize_qdq
+from coreai_opt.cli.commands import demo
+from coreai_opt.cli.commands.inspect_onnx import summarize_qdq
 from coreai_opt.cli.main import main
 from coreai_opt.cli.usage_errors import CliError, one_line
 
@@ -206,7 +206,7 @@ def test_quantize_missing_config_file_exits_2(capsys, tmp_path, models_py, image
 
 
 def test_quantize_config_yaml_loads_like_the_preset(tmp_path):
-    from coreai_opt.cli.quantize import load_config
+    from coreai_opt.cli.commands.quantize import load_config
     from coreai_opt.config import QuantizerConfig
 
     path = tmp_path / "my_config.yaml"

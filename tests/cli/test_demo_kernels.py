@@ -108,7 +108,7 @@ def test_readme_cnn_quantize_prints_the_snippet_with_the_cpu_kernels_forced_to_a
 
 def test_demo_quantized_argmax_is_three_output_steps_from_a_tie_on_every_test_digit() -> None:
     import coreai_opt as co
-    from coreai_opt.cli import demo
+    from coreai_opt.cli.commands import demo
 
     split = load_digits_split(seed=demo.SEED)
     torch.manual_seed(demo.SEED)
@@ -132,7 +132,7 @@ def test_demo_quantized_argmax_is_three_output_steps_from_a_tie_on_every_test_di
     (0.0, 0.0, "<= 1 step (0.0866)"), (1.0, 0.0866, "<= 1 step (0.0866)"), (2.0, 0.1732, "0.173 (2 steps)")])
 def test_demo_prints_the_eager_vs_onnxruntime_difference_as_the_one_step_bound_and_more_as_measured(
         steps: float, diff: float, printed: str) -> None:
-    from coreai_opt.cli import demo
+    from coreai_opt.cli.commands import demo
 
     result = demo.DemoResult(
         float_accuracy=0.99, fake_quant_accuracy=0.99, ort_int8_accuracy=0.99, top1_agreement=1.0, num_test=450,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import coreai_opt
+from coreai_opt.cli.commands.quantize import PRESET_NAMES
 from coreai_opt.cli.main import main
-from coreai_opt.cli.quantize import PRESET_NAMES
 from coreai_opt.config import QuantizerConfig
 from tests.cli.conftest import one_line_error
 
