@@ -9,14 +9,14 @@ A rule looks at one anchor node at a time:
 
 The driver offers every node whose ``op_type`` is in ``rule.anchors`` to ``match``, in graph order, and rewrites
 each match at once, so later matches see the rewritten graph. After the last node it calls ``rule.finish`` (when
-something was rewritten) and, for a rule with ``removes_dead`` (the default), removes what the rule left unused
-once it edited the graph. A rule with ``matches_first`` is matched on every anchor of the graph as it was before it
-ran, and only then are its matches rewritten, in order (for decisions that must not see the rule's own earlier
-rewrites). A rule with ``restart_after_rewrite`` is rescanned
-from the first node after every rewrite until a full scan rewrites nothing; a rule with ``only_after = "name"`` runs
-only when that rule ran before it in the list and rewrote something. A rule that writes ops of a domain other
-than the default one declares it in ``domains`` (``{domain: opset version}``); :func:`import_domains` adds those
-opset imports to the model after the rules ran, for each rule that rewrote something.
+something was rewritten) and, once the rule edited the graph, removes what it left unused (nodes and initializers no
+output needs). A rule with ``matches_first`` is matched on every anchor of the graph as it was before it ran, and
+only then are its matches rewritten, in order (for decisions that must not see the rule's own earlier rewrites). A
+rule with ``restart_after_rewrite`` is rescanned from the first node after every rewrite until a full scan rewrites
+nothing; a rule with ``only_after = "name"`` is skipped when that rule ran before it in the list and rewrote nothing
+(in a list without that rule it runs). A rule that writes ops of a domain other than the default one declares it in
+``domains`` (``{domain: opset version}``); :func:`import_domains` adds those opset imports to the model after the
+rules ran, for each rule that rewrote something.
 """
 
 from __future__ import annotations
@@ -65,17 +65,15 @@ class Rule(ABC):
     Class attributes:
         name: The rule's name in the report (the name of its module).
         anchors: Op types ``match`` is called for.
-        removes_dead: Remove the nodes and initializers nothing needs after the rule edited the graph.
         matches_first: Match every anchor before rewriting any (decisions see the graph as it was).
         restart_after_rewrite: Rescan from the first node after each rewrite.
-        only_after: Run only when the rule of that name ran earlier in the list and rewrote something.
+        only_after: Skip the rule when the rule of that name ran earlier in the list and rewrote nothing.
         domains: ``{domain: opset version}`` of the non-default ops the rule writes (imported by
             :func:`import_domains` when it rewrote something).
     """
 
     name: ClassVar[str]
     anchors: ClassVar[frozenset[str]]
-    removes_dead: ClassVar[bool] = True
     matches_first: ClassVar[bool] = False
     restart_after_rewrite: ClassVar[bool] = False
     only_after: ClassVar[str | None] = None
@@ -140,7 +138,7 @@ def run_rules(rules: Sequence[Rule], graph: OnnxGraph) -> RewriteReport:
         count, misses = _run(rule, graph)
         if count:
             rule.finish(graph)
-        if rule.removes_dead and graph.edits != edits:
+        if graph.edits != edits:
             graph.remove_dead()
         counts[rule.name] = count
         skipped += misses

@@ -62,17 +62,6 @@ def test_driver_counts_rewrites_records_near_misses_and_removes_dead_initializer
     assert not model.graph.initializer  # the rule edited the graph: what nothing reads is removed
 
 
-class _DropIdentitiesKeepingDead(_DropIdentities):
-    name = "drop_identities_keeping_dead"
-    removes_dead = False
-
-
-def test_a_rule_without_removes_dead_leaves_unused_initializers_in_place() -> None:
-    model = _chain(["a", "b"])
-    assert apply(model, [_DropIdentitiesKeepingDead()]).counts == {"drop_identities_keeping_dead": 1}
-    assert [t.name for t in model.graph.initializer] == ["unused"]
-
-
 def test_driver_leaves_an_unmatched_graph_byte_identical() -> None:
     model = _chain(["only"])
     before = model.SerializeToString()

@@ -139,7 +139,6 @@ class ClipSixteenBitActivations(Rule):
     name = "clip_16bit_activations"
     anchors = frozenset({"QuantizeLinear"})
     #: It only adds nodes: nothing becomes unused, and the rest of the file keeps its bytes.
-    removes_dead = False
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> Match | Fail | None:
         """An int16 / uint16 ``QuantizeLinear`` of a computed value that is not yet bounded within its range."""

@@ -41,7 +41,6 @@ class FoldWeightTransposes(Rule):
     name = "fold_weight_transposes"
     anchors = frozenset({"DequantizeLinear"})
     #: As before the rule framework (the export stays byte-identical): what it leaves unused stays in the file.
-    removes_dead = False
     matches_first = True
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:

@@ -47,7 +47,6 @@ class GatherQuantizedRows(Rule):
     anchors = frozenset({"DequantizeLinear"})
     #: As before the rule framework (the export stays byte-identical): an all-zero per-row zero point, unused once
     #: the rows are dequantized by hand, stays in the file (50 bytes for a 50-row table; removing it is a follow-up).
-    removes_dead = False
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
         """A constant table's ``DequantizeLinear`` read by at least one ``Gather``."""

@@ -50,7 +50,6 @@ class GuardFourBitActivations(Rule):
     name = "guard_4bit_activations"
     anchors = frozenset({"QuantizeLinear", "DequantizeLinear"})
     #: As before the rule framework (the export stays byte-identical): what it leaves unused stays in the file.
-    removes_dead = False
     matches_first = True
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> Match | Fail | None:

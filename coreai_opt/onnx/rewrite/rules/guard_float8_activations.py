@@ -37,7 +37,6 @@ class GuardFloat8Activations(Rule):
     name = "guard_float8_activations"
     anchors = frozenset({"Relu", "Clip"})
     #: As before the rule framework (the export stays byte-identical): what it leaves unused stays in the file.
-    removes_dead = False
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> Match | Fail | None:
         """A ``Relu``/``Clip`` whose output is quantized to float8 / int4 / uint4."""

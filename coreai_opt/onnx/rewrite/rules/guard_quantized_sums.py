@@ -45,7 +45,6 @@ class GuardQuantizedSums(Rule):
     name = "guard_quantized_sums"
     anchors = frozenset({"ReduceSum"})
     #: Only the guard is added: what other rules left unused stays in the file (other exports stay byte-identical).
-    removes_dead = False
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> Match | None:
         """A default-domain ``ReduceSum`` whose data is an 8- or 4-bit integer ``DequantizeLinear`` with zp != 0."""
