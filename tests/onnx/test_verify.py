@@ -107,7 +107,11 @@ def test_verify_onnx_rejects_bad_inputs(mlp: tuple[nn.Module, Path], tmp_path: P
     with pytest.raises(TypeError, match="batch 1 must be a tensor"):
         verify_onnx(model, path, [torch.randn(1, 64), "text"])
     with pytest.raises(TypeError, match="converted torch.nn.Module"):
-        verify_onnx("model", path, torch.randn(1, 64))  # type: ignore[arg-type]
+        verify_onnx(3, path, torch.randn(1, 64))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got the ONNX path first and the model second"):
+        verify_onnx(path, model, torch.randn(1, 64))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="path must be the ONNX file's path .* got int"):
+        verify_onnx(model, 7, torch.randn(1, 64))  # type: ignore[arg-type]
 
 
 def test_compare_counts_a_flip_inside_the_tolerance_as_a_near_tie_and_fails_a_decisive_flip():

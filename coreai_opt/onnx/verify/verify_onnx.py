@@ -223,11 +223,16 @@ def verify_onnx(
             disagree.
         ModuleNotFoundError: ``runtime="openvino"`` without OpenVINO installed.
     """
+    if isinstance(path, nn.Module) and isinstance(model, (str, os.PathLike)):
+        raise TypeError("verify_onnx(model, path, inputs) got the ONNX path first and the model second; "
+                        "pass the converted model first: verify_onnx(model, path, inputs)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be the converted torch.nn.Module that was exported, got {type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be the ONNX file's path (str or os.PathLike), got {type(path).__name__}")
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"verify_onnx: no ONNX file at {path}; pass the path export_onnx returned")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be the converted torch.nn.Module that was exported, got {type(model).__name__}")
     batches = _batches(inputs)
     check = input_check(model)
     if check is not None:
