@@ -228,6 +228,10 @@ def test_export_onnx_refuses_non_modules_and_bad_inputs(tmp_path: Path) -> None:
     model = freeze(QuantMLP(), torch.randn(8, 64))
     with pytest.raises(TypeError, match="example_inputs must be a tensor or a tuple of tensors"):
         export_onnx(model, [[1.0]], tmp_path / "m.onnx")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got the path before the example inputs"):
+        export_onnx(model, tmp_path / "m.onnx", torch.randn(1, 64))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="torch.nn.Module returned by coreai_opt.convert, got PosixPath"):
+        export_onnx(tmp_path / "m.onnx", model, torch.randn(1, 64))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="output_names has 2 name"):
         export_onnx(model, torch.randn(1, 64), tmp_path / "m.onnx", output_names=["a", "b"])
 

@@ -309,8 +309,11 @@ def export_onnx(
             one of its dtypes, a dtype has no onnxruntime kernel, or the names do not match the model.
         FileNotFoundError: The directory of ``path`` does not exist.
     """
-    path = check_output_path(path)
     quantizers = converted_quantizers(model)
+    if isinstance(example_inputs, (str, os.PathLike)) and not isinstance(path, (str, os.PathLike)):
+        raise TypeError("export_onnx(model, example_inputs, path) got the path before the example inputs; "
+                        "pass them in that order")
+    path = check_output_path(path)
     _check_matmul_compute(model, matmul_compute)
     inputs = _as_input_tuple(example_inputs)
     check_export_inputs(model, inputs)
