@@ -12,9 +12,11 @@ the integer kernels onnxruntime runs in each, and the seconds spent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -35,13 +37,24 @@ def error_class(error: str | None) -> str:
 
 def _run_one(name: str, out: Path) -> dict[str, object]:
     from benchmarks.corpus.runner import RunOptions, run_corpus_model
-    from benchmarks.sweep.catalog import sweep_entries
+    from benchmarks.sweep.catalog import entry_named
 
-    entry = next(e for e in sweep_entries() if e.name == name)
+    entry = entry_named(name)
     row = run_corpus_model(entry, out / "work", RunOptions(calib_batches=2, eval_batches=2))
     record = dataclasses.asdict(row)
     record["end_to_end_ok"] = row.end_to_end_ok
     return record
+
+
+def _crash_error(returncode: int, stderr: str) -> str:
+    """What ended a child without a row: the signal that killed it (the kernel's OOM killer sends SIGKILL) or its
+    last stderr line that is not a transformers / timm log line."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            name = signal.Signals(-returncode).name
+            return f"Crash: killed by {name}" + (" (the out-of-memory killer?)" if name == "SIGKILL" else "")
+    lines = [line for line in stderr.strip().splitlines() if line.strip() and not line.startswith(("[", "WARNING"))]
+    return lines[-1] if lines else f"Crash: exit code {returncode}, nothing on stderr"
 
 
 def _stage_reached(row: dict[str, object]) -> str:
@@ -121,7 +134,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
             proc = subprocess.run(child, capture_output=True, text=True, timeout=args.budget)
             found = [line for line in proc.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
             row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
-                "name": name, "failed_stage": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+                "name": name, "failed_stage": "crash", "error": _crash_error(proc.returncode, proc.stderr)}
         except subprocess.TimeoutExpired:
             row = {"name": name, "failed_stage": "timeout", "error": f"TimeoutExpired: over {args.budget:.0f} s"}
         row["wall"] = time.monotonic() - start
