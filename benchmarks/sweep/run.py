@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["error_class", "main", "write_table"]
+__all__ = ["error_class", "failure_classes", "main", "torch_exports", "write_table"]
 
 STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
 
@@ -67,14 +67,54 @@ def _stage_reached(row: dict[str, object]) -> str:
     return f"{STAGES[index - 1] if index else '-'} (failed in {failed})"
 
 
+def torch_exports(row: dict[str, object]) -> bool | None:
+    """Whether torch's own float export (``torch.onnx.export(dynamo=True)``, the peer's first step) succeeded for
+    the row's model (None: the peer never ran: the model did not build, or the child timed out or crashed)."""
+    seconds = row.get("seconds")
+    if not isinstance(seconds, dict) or "ort_float_export" not in seconds:
+        return None
+    return "ort_quantize" in seconds  # the quantize step runs only after the float export returned
+
+
+def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, int]]:
+    """``(where, class, rows, rows torch cannot export either)`` for every row not ok end to end, most rows first.
+
+    ``where`` separates the catalog's own faults (``build``: the model did not build or run in float), the runner's
+    limits (``timeout`` / ``crash``) and our stages (``prepare`` ... ``verify``).
+    """
+    counts: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        if r.get("end_to_end_ok"):
+            continue
+        failed = r.get("failed_stage")
+        where = str(failed) if failed else "verify not ok"
+        key = (where, error_class(r.get("error")) if failed else "")
+        entry = counts.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += torch_exports(r) is False
+    return sorted(((w, c, n, t) for (w, c), (n, t) in counts.items()), key=lambda x: (-x[2], x[0], x[1]))
+
+
 def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) -> None:
-    """Write the markdown table of ``rows`` and the pass rates to ``path``."""
+    """Write the markdown table of ``rows``, the pass rates and the failure classes to ``path``."""
     ours = sum(1 for r in rows if r.get("end_to_end_ok"))
     peer = sum(1 for r in rows if r.get("sqnr_ort") is not None)
+    built = [r for r in rows if r.get("failed_stage") != "build"]
+    exportable = [r for r in built if torch_exports(r)]
+    ours_exportable = sum(1 for r in exportable if r.get("end_to_end_ok"))
+
+    def pct(n: int, d: int) -> str:
+        return f"{n}/{d} ({100 * n / d:.0f} %)" if d else f"{n}/0"
+
     lines = [
         "# Architecture sweep (issue 30)", "",
-        f"{len(rows)} models run; ours end to end (verify ok): {ours}; quantize_static produced a file that ran: "
-        f"{peer}; wall time of the runs so far: {wall_seconds / 60:.1f} min.", "",
+        f"{len(rows)} models run ({len(rows) - len(built)} did not build from the catalog's config); wall time of the "
+        f"runs so far: {wall_seconds / 60:.1f} min.", "",
+        f"* ours end to end (prepare → calibrate → convert → export_onnx → verify_onnx ok): {pct(ours, len(built))} "
+        "of the models that built",
+        f"* quantize_static produced a file that ran: {pct(peer, len(built))} of the models that built",
+        f"* ours end to end among the models torch's own float export handles: {pct(ours_exportable, len(exportable))}",
+        "",
         "| model | stage reached | error class | SQNR ours | SQNR quantize_static | int kernels ours / peer | s |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -83,17 +123,16 @@ def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) 
         return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
 
     for r in sorted(rows, key=lambda r: str(r["name"])):
-        seconds = sum(r.get("seconds", {}).values()) if isinstance(r.get("seconds"), dict) else r.get("wall", 0)
+        seconds = r.get("wall") or (sum(r["seconds"].values()) if isinstance(r.get("seconds"), dict) else 0)
         lines.append(f"| {r['name']} | {_stage_reached(r)} | {error_class(r.get('error'))} | {db(r.get('sqnr_ours'))} "
                      f"| {db(r.get('sqnr_ort'))} | {r.get('int_ours', '-')} / {r.get('int_ort', '-')} "
                      f"| {seconds:.0f} |")
-    classes: dict[str, int] = {}
-    for r in rows:
-        if not r.get("end_to_end_ok"):
-            key = error_class(r.get("error")) or _stage_reached(r)
-            classes[key] = classes.get(key, 0) + 1
-    lines += ["", "## Failure classes", "", "| count | class |", "|---|---|"]
-    lines += [f"| {n} | {k} |" for k, n in sorted(classes.items(), key=lambda kv: -kv[1])]
+    lines += ["", "## Failure classes", "",
+              "`where`: `build` is the catalog's config (not the library), `timeout` / `crash` the runner's limits "
+              "(budget per model, memory), the rest the first stage of ours that raised. `torch export fails too`: "
+              "rows where torch's own float export (the peer's first step) raised as well.", "",
+              "| count | where | class | torch export fails too |", "|---|---|---|---|"]
+    lines += [f"| {n} | {w} | {c} | {t} |" for w, c, n, t in failure_classes(rows)]
     path.write_text("\n".join(lines) + "\n")
 
 
