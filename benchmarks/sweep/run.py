@@ -95,6 +95,16 @@ def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, 
     return sorted(((w, c, n, t) for (w, c), (n, t) in counts.items()), key=lambda x: (-x[2], x[0], x[1]))
 
 
+def _stage_seconds(rows: list[dict[str, object]]) -> str:
+    totals: dict[str, float] = {}
+    for r in rows:
+        for stage, seconds in (r.get("seconds") or {}).items():
+            totals[stage] = totals.get(stage, 0.0) + float(seconds)
+    whole = sum(totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{stage} {v:.0f} s ({100 * v / whole:.0f} %)" for stage, v in ranked)
+
+
 def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) -> None:
     """Write the markdown table of ``rows``, the pass rates and the failure classes to ``path``."""
     ours = sum(1 for r in rows if r.get("end_to_end_ok"))
@@ -114,6 +124,7 @@ def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) 
         "of the models that built",
         f"* quantize_static produced a file that ran: {pct(peer, len(built))} of the models that built",
         f"* ours end to end among the models torch's own float export handles: {pct(ours_exportable, len(exportable))}",
+        f"* where the time goes (rows that finished, seconds summed per stage): {_stage_seconds(rows)}",
         "",
         "| model | stage reached | error class | SQNR ours | SQNR quantize_static | int kernels ours / peer | s |",
         "|---|---|---|---|---|---|---|",
