@@ -189,3 +189,23 @@ def test_default_sweep_model_passes_end_to_end(name: str, tmp_path: Path) -> Non
 @pytest.mark.parametrize("name", _sweep_names())
 def test_sweep_model_passes_end_to_end(name: str, tmp_path: Path) -> None:
     _assert_end_to_end(name, tmp_path)
+
+
+def test_the_childs_budget_alarm_interrupts_the_running_stage_and_the_row_names_it() -> None:
+    import signal
+    import time
+
+    from benchmarks.sweep.run import BudgetExceeded, failure_classes, start_budget_alarm
+
+    start_budget_alarm(1)
+    started = time.monotonic()
+    try:
+        with pytest.raises(BudgetExceeded, match="over the 1 s budget of the child"):
+            while time.monotonic() - started < 30:
+                time.sleep(0.05)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    assert time.monotonic() - started < 10
+    row = {"name": "m", "failed_stage": "export", "error": "BudgetExceeded: over the 400 s budget of the child"}
+    assert failure_classes([row]) == [("timeout in export", "BudgetExceeded: over the N s budget of the child", 1, 0)]

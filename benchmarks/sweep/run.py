@@ -35,6 +35,25 @@ def error_class(error: str | None) -> str:
     return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)[:120]
 
 
+#: Seconds the child keeps of the parent's budget to write its row after its own alarm.
+ROW_GRACE = 20.0
+
+
+class BudgetExceeded(Exception):
+    """Raised in the child by its alarm, inside whichever stage is running, so the row names that stage."""
+
+
+def start_budget_alarm(seconds: float) -> None:
+    """From now on, raise :class:`BudgetExceeded` after ``seconds`` (SIGALRM; the stage that runs then records it)."""
+
+    def expire(signum: int, frame: object) -> None:
+        signal.alarm(5)  # the next stage (the peer's, after ours failed here) gets 5 s, so the row still comes out
+        raise BudgetExceeded(f"over the {seconds:.0f} s budget of the child")
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(seconds)))
+
+
 def _run_one(name: str, out: Path) -> dict[str, object]:
     from benchmarks.corpus.runner import RunOptions, run_corpus_model
     from benchmarks.sweep.catalog import entry_named
@@ -80,7 +99,8 @@ def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, 
     """``(where, class, rows, rows torch cannot export either)`` for every row not ok end to end, most rows first.
 
     ``where`` separates the catalog's own faults (``build``: the model did not build or run in float), the runner's
-    limits (``timeout`` / ``crash``) and our stages (``prepare`` ... ``verify``).
+    limits (``timeout in <stage>``: the child's alarm fired in that stage; ``timeout`` / ``crash``: the child was
+    killed without a row) and our stages (``prepare`` ... ``verify``).
     """
     counts: dict[tuple[str, str], list[int]] = {}
     for r in rows:
@@ -88,6 +108,8 @@ def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, 
             continue
         failed = r.get("failed_stage")
         where = str(failed) if failed else "verify not ok"
+        if str(r.get("error", "")).startswith("BudgetExceeded"):
+            where = f"timeout in {failed}"
         key = (where, error_class(r.get("error")) if failed else "")
         entry = counts.setdefault(key, [0, 0])
         entry[0] += 1
@@ -167,6 +189,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
+        start_budget_alarm(args.budget - ROW_GRACE)  # the parent's timeout stays the backstop
         print("SWEEP-ROW " + json.dumps(_run_one(args.one, args.out), default=str), flush=True)
         return 0
     from benchmarks.sweep.catalog import sweep_entries
@@ -180,7 +203,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
             continue
         start = time.monotonic()
         try:
-            child = [sys.executable, "-m", "benchmarks.run", "sweep", "--one", name, "--out", str(args.out)]
+            child = [sys.executable, "-m", "benchmarks.run", "sweep", "--one", name, "--out", str(args.out),
+                     "--budget", str(args.budget)]
             proc = subprocess.run(child, capture_output=True, text=True, timeout=args.budget)
             found = [line for line in proc.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
             row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
