@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 __all__ = ["error_class", "failure_classes", "main", "torch_exports", "write_table"]
@@ -39,16 +40,30 @@ def error_class(error: str | None) -> str:
 ROW_GRACE = 20.0
 
 
-class BudgetExceeded(Exception):
-    """Raised in the child by its alarm, inside whichever stage is running, so the row names that stage."""
+#: Functions whose frame on the stack names the stage a child was in when its budget ran out (outermost wins).
+STAGE_FUNCTIONS = {"build": "build", "prepare": "prepare", "calibrate": "calibrate", "convert": "convert",
+                   "export_onnx": "export", "verify_onnx": "verify", "export_float": "ort_float_export",
+                   "_quantize_static": "ort_quantize"}
+
+
+class BudgetExceeded(BaseException):
+    """Raised in the child by its alarm. A ``BaseException`` (as ``KeyboardInterrupt``), so that no ``except
+    Exception`` of the library or the runner turns it into a failure of the stage it interrupted."""
+
+
+def running_stage(frame: object) -> str:
+    """The pipeline stage whose function is outermost on ``frame``'s stack (``"-"`` when none is)."""
+    for summary in traceback.extract_stack(frame):  # outermost first
+        if summary.name in STAGE_FUNCTIONS:
+            return STAGE_FUNCTIONS[summary.name]
+    return "-"
 
 
 def start_budget_alarm(seconds: float) -> None:
-    """From now on, raise :class:`BudgetExceeded` after ``seconds`` (SIGALRM; the stage that runs then records it)."""
+    """From now on, raise :class:`BudgetExceeded` naming the running stage after ``seconds`` (SIGALRM)."""
 
     def expire(signum: int, frame: object) -> None:
-        signal.alarm(5)  # the next stage (the peer's, after ours failed here) gets 5 s, so the row still comes out
-        raise BudgetExceeded(f"over the {seconds:.0f} s budget of the child")
+        raise BudgetExceeded(f"over the {seconds:.0f} s budget of the child in {running_stage(frame)}")
 
     signal.signal(signal.SIGALRM, expire)
     signal.alarm(max(1, int(seconds)))
@@ -99,8 +114,8 @@ def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, 
     """``(where, class, rows, rows torch cannot export either)`` for every row not ok end to end, most rows first.
 
     ``where`` separates the catalog's own faults (``build``: the model did not build or run in float), the runner's
-    limits (``timeout in <stage>``: the child's alarm fired in that stage; ``timeout`` / ``crash``: the child was
-    killed without a row) and our stages (``prepare`` ... ``verify``).
+    limits (``timeout in <stage>``: the child's alarm fired in that stage; ``timeout`` / ``crash`` without a
+    stage: the child was killed) and our stages (``prepare`` ... ``verify``).
     """
     counts: dict[tuple[str, str], list[int]] = {}
     for r in rows:
@@ -109,7 +124,7 @@ def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, 
         failed = r.get("failed_stage")
         where = str(failed) if failed else "verify not ok"
         if str(r.get("error", "")).startswith("BudgetExceeded"):
-            where = f"timeout in {failed}"
+            where = f"timeout in {str(r['error']).rsplit(' in ', 1)[-1]}"
         key = (where, error_class(r.get("error")) if failed else "")
         entry = counts.setdefault(key, [0, 0])
         entry[0] += 1
@@ -190,7 +205,11 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         start_budget_alarm(args.budget - ROW_GRACE)  # the parent's timeout stays the backstop
-        print("SWEEP-ROW " + json.dumps(_run_one(args.one, args.out), default=str), flush=True)
+        try:
+            row = _run_one(args.one, args.out)
+        except BudgetExceeded as exc:
+            row = {"name": args.one, "failed_stage": "timeout", "error": f"BudgetExceeded: {exc}"}
+        print("SWEEP-ROW " + json.dumps(row, default=str), flush=True)
         return 0
     from benchmarks.sweep.catalog import sweep_entries
 
