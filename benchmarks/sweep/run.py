@@ -12,15 +12,18 @@ the integer kernels onnxruntime runs in each, and the seconds spent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
-__all__ = ["error_class", "main", "write_table"]
+__all__ = ["error_class", "failure_classes", "main", "torch_exports", "write_table"]
 
 STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
 
@@ -33,15 +36,59 @@ def error_class(error: str | None) -> str:
     return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", text)[:120]
 
 
+#: Seconds the child keeps of the parent's budget to write its row after its own alarm.
+ROW_GRACE = 20.0
+
+
+#: Functions whose frame on the stack names the stage a child was in when its budget ran out (outermost wins).
+STAGE_FUNCTIONS = {"build": "build", "prepare": "prepare", "calibrate": "calibrate", "convert": "convert",
+                   "export_onnx": "export", "verify_onnx": "verify", "export_float": "ort_float_export",
+                   "_quantize_static": "ort_quantize"}
+
+
+class BudgetExceeded(BaseException):
+    """Raised in the child by its alarm. A ``BaseException`` (as ``KeyboardInterrupt``), so that no ``except
+    Exception`` of the library or the runner turns it into a failure of the stage it interrupted."""
+
+
+def running_stage(frame: object) -> str:
+    """The pipeline stage whose function is outermost on ``frame``'s stack (``"-"`` when none is)."""
+    for summary in traceback.extract_stack(frame):  # outermost first
+        if summary.name in STAGE_FUNCTIONS:
+            return STAGE_FUNCTIONS[summary.name]
+    return "-"
+
+
+def start_budget_alarm(seconds: float) -> None:
+    """From now on, raise :class:`BudgetExceeded` naming the running stage after ``seconds`` (SIGALRM)."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise BudgetExceeded(f"over the {seconds:.0f} s budget of the child in {running_stage(frame)}")
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(seconds)))
+
+
 def _run_one(name: str, out: Path) -> dict[str, object]:
     from benchmarks.corpus.runner import RunOptions, run_corpus_model
-    from benchmarks.sweep.catalog import sweep_entries
+    from benchmarks.sweep.catalog import entry_named
 
-    entry = next(e for e in sweep_entries() if e.name == name)
+    entry = entry_named(name)
     row = run_corpus_model(entry, out / "work", RunOptions(calib_batches=2, eval_batches=2))
     record = dataclasses.asdict(row)
     record["end_to_end_ok"] = row.end_to_end_ok
     return record
+
+
+def _crash_error(returncode: int, stderr: str) -> str:
+    """What ended a child without a row: the signal that killed it (the kernel's OOM killer sends SIGKILL) or its
+    last stderr line that is not a transformers / timm log line."""
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            name = signal.Signals(-returncode).name
+            return f"Crash: killed by {name}" + (" (the out-of-memory killer?)" if name == "SIGKILL" else "")
+    lines = [line for line in stderr.strip().splitlines() if line.strip() and not line.startswith(("[", "WARNING"))]
+    return lines[-1] if lines else f"Crash: exit code {returncode}, nothing on stderr"
 
 
 def _stage_reached(row: dict[str, object]) -> str:
@@ -54,14 +101,68 @@ def _stage_reached(row: dict[str, object]) -> str:
     return f"{STAGES[index - 1] if index else '-'} (failed in {failed})"
 
 
+def torch_exports(row: dict[str, object]) -> bool | None:
+    """Whether torch's own float export (``torch.onnx.export(dynamo=True)``, the peer's first step) succeeded for
+    the row's model (None: the peer never ran: the model did not build, or the child timed out or crashed)."""
+    seconds = row.get("seconds")
+    if not isinstance(seconds, dict) or "ort_float_export" not in seconds:
+        return None
+    return "ort_quantize" in seconds  # the quantize step runs only after the float export returned
+
+
+def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, int]]:
+    """``(where, class, rows, rows torch cannot export either)`` for every row not ok end to end, most rows first.
+
+    ``where`` separates the catalog's own faults (``build``: the model did not build or run in float), the runner's
+    limits (``timeout in <stage>``: the child's alarm fired in that stage; ``timeout`` / ``crash`` without a
+    stage: the child was killed) and our stages (``prepare`` ... ``verify``).
+    """
+    counts: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        if r.get("end_to_end_ok"):
+            continue
+        failed = r.get("failed_stage")
+        where = str(failed) if failed else "verify not ok"
+        if str(r.get("error", "")).startswith("BudgetExceeded"):
+            where = f"timeout in {str(r['error']).rsplit(' in ', 1)[-1]}"
+        key = (where, error_class(r.get("error")) if failed else "")
+        entry = counts.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += torch_exports(r) is False
+    return sorted(((w, c, n, t) for (w, c), (n, t) in counts.items()), key=lambda x: (-x[2], x[0], x[1]))
+
+
+def _stage_seconds(rows: list[dict[str, object]]) -> str:
+    totals: dict[str, float] = {}
+    for r in rows:
+        for stage, seconds in (r.get("seconds") or {}).items():
+            totals[stage] = totals.get(stage, 0.0) + float(seconds)
+    whole = sum(totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{stage} {v:.0f} s ({100 * v / whole:.0f} %)" for stage, v in ranked)
+
+
 def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) -> None:
-    """Write the markdown table of ``rows`` and the pass rates to ``path``."""
+    """Write the markdown table of ``rows``, the pass rates and the failure classes to ``path``."""
     ours = sum(1 for r in rows if r.get("end_to_end_ok"))
     peer = sum(1 for r in rows if r.get("sqnr_ort") is not None)
+    built = [r for r in rows if r.get("failed_stage") != "build"]
+    exportable = [r for r in built if torch_exports(r)]
+    ours_exportable = sum(1 for r in exportable if r.get("end_to_end_ok"))
+
+    def pct(n: int, d: int) -> str:
+        return f"{n}/{d} ({100 * n / d:.0f} %)" if d else f"{n}/0"
+
     lines = [
         "# Architecture sweep (issue 30)", "",
-        f"{len(rows)} models run; ours end to end (verify ok): {ours}; quantize_static produced a file that ran: "
-        f"{peer}; wall time of the runs so far: {wall_seconds / 60:.1f} min.", "",
+        f"{len(rows)} models run ({len(rows) - len(built)} did not build from the catalog's config); wall time of the "
+        f"runs so far: {wall_seconds / 60:.1f} min.", "",
+        f"* ours end to end (prepare → calibrate → convert → export_onnx → verify_onnx ok): {pct(ours, len(built))} "
+        "of the models that built",
+        f"* quantize_static produced a file that ran: {pct(peer, len(built))} of the models that built",
+        f"* ours end to end among the models torch's own float export handles: {pct(ours_exportable, len(exportable))}",
+        f"* where the time goes (rows that finished, seconds summed per stage): {_stage_seconds(rows)}",
+        "",
         "| model | stage reached | error class | SQNR ours | SQNR quantize_static | int kernels ours / peer | s |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -70,17 +171,16 @@ def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) 
         return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
 
     for r in sorted(rows, key=lambda r: str(r["name"])):
-        seconds = sum(r.get("seconds", {}).values()) if isinstance(r.get("seconds"), dict) else r.get("wall", 0)
+        seconds = r.get("wall") or (sum(r["seconds"].values()) if isinstance(r.get("seconds"), dict) else 0)
         lines.append(f"| {r['name']} | {_stage_reached(r)} | {error_class(r.get('error'))} | {db(r.get('sqnr_ours'))} "
                      f"| {db(r.get('sqnr_ort'))} | {r.get('int_ours', '-')} / {r.get('int_ort', '-')} "
                      f"| {seconds:.0f} |")
-    classes: dict[str, int] = {}
-    for r in rows:
-        if not r.get("end_to_end_ok"):
-            key = error_class(r.get("error")) or _stage_reached(r)
-            classes[key] = classes.get(key, 0) + 1
-    lines += ["", "## Failure classes", "", "| count | class |", "|---|---|"]
-    lines += [f"| {n} | {k} |" for k, n in sorted(classes.items(), key=lambda kv: -kv[1])]
+    lines += ["", "## Failure classes", "",
+              "`where`: `build` is the catalog's config (not the library), `timeout` / `crash` the runner's limits "
+              "(budget per model, memory), the rest the first stage of ours that raised. `torch export fails too`: "
+              "rows where torch's own float export (the peer's first step) raised as well.", "",
+              "| count | where | class | torch export fails too |", "|---|---|---|---|"]
+    lines += [f"| {n} | {w} | {c} | {t} |" for w, c, n, t in failure_classes(rows)]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -104,7 +204,12 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        print("SWEEP-ROW " + json.dumps(_run_one(args.one, args.out), default=str), flush=True)
+        start_budget_alarm(args.budget - ROW_GRACE)  # the parent's timeout stays the backstop
+        try:
+            row = _run_one(args.one, args.out)
+        except BudgetExceeded as exc:
+            row = {"name": args.one, "failed_stage": "timeout", "error": f"BudgetExceeded: {exc}"}
+        print("SWEEP-ROW " + json.dumps(row, default=str), flush=True)
         return 0
     from benchmarks.sweep.catalog import sweep_entries
 
@@ -117,11 +222,12 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
             continue
         start = time.monotonic()
         try:
-            child = [sys.executable, "-m", "benchmarks.run", "sweep", "--one", name, "--out", str(args.out)]
+            child = [sys.executable, "-m", "benchmarks.run", "sweep", "--one", name, "--out", str(args.out),
+                     "--budget", str(args.budget)]
             proc = subprocess.run(child, capture_output=True, text=True, timeout=args.budget)
             found = [line for line in proc.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
             row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
-                "name": name, "failed_stage": "crash", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+                "name": name, "failed_stage": "crash", "error": _crash_error(proc.returncode, proc.stderr)}
         except subprocess.TimeoutExpired:
             row = {"name": name, "failed_stage": "timeout", "error": f"TimeoutExpired: over {args.budget:.0f} s"}
         row["wall"] = time.monotonic() - start

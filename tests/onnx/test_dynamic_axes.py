@@ -6,6 +6,7 @@ onnxruntime at other batches and sequence lengths.
 """
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.graph.graph_meta import get_graph_meta
-from coreai_opt.onnx.export.dynamic_axes import input_axes
+from coreai_opt.onnx.export.dynamic_axes import check_axes_are_dynamic, input_axes, requested_axes
 
 VOCAB, D, MAX_T = 50, 32, 64
 
@@ -119,3 +120,26 @@ def test_fx_captured_models_keep_only_the_batch_axis(tmp_path):
     assert get_graph_meta(prepared).dynamic_axes is None
     axes = input_axes(prepared, (torch.randn(2, 4, 8),), ["x"], True, None)
     assert axes == [{0: "batch"}]
+
+
+def _graph_with_input_dims(dims: list[object]) -> onnx.ModelProto:
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, dims)
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, dims)
+    return onnx.helper.make_model(onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y]))
+
+
+def test_a_default_axis_the_exporter_fixed_warns_and_an_asked_for_one_raises():
+    """samvit: the capture keeps height symbolic (Dim.AUTO accepts its window-padding guards), the ONNX export's
+    free Dim does not, and torch fixes it at 64. Only a dimension the caller named is an error."""
+    proto = _graph_with_input_dims(["batch", 3, 64, "width"])
+    axes = [{0: "batch", 2: "height", 3: "width"}]
+    assert requested_axes(["x"], True, None) == [{0}]
+    with pytest.warns(UserWarning, match=r"dimension 2 \('height'\) of input 'x' is fixed at 64 in the ONNX file"):
+        check_axes_are_dynamic(proto, axes, requested_axes(["x"], True, None))
+    asked = requested_axes(["x"], True, {"x": {0: "batch", 2: "height"}})
+    assert asked == [{0, 2}]
+    with pytest.raises(ValueError, match=r"dimension 2 \('height'\) of input 'x' was exported as the constant 64"):
+        check_axes_are_dynamic(proto, axes, asked)
+    batch_fixed = _graph_with_input_dims([4, 3, 64, 64])
+    with pytest.raises(ValueError, match="export with dynamic_batch=False"):  # the batch stays an error
+        check_axes_are_dynamic(batch_fixed, [{0: "batch"}], requested_axes(["x"], True, None))

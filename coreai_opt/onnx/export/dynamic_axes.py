@@ -16,6 +16,7 @@ for the inputs it names (``None``: every dimension fixed at the example size). I
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import onnx
@@ -24,7 +25,8 @@ from torch import nn
 
 from coreai_opt.graph.graph_meta import get_graph_meta
 
-__all__ = ["DynamicShapes", "BATCH", "input_axes", "torch_dynamic_shapes", "check_axes_are_dynamic"]
+__all__ = ["DynamicShapes", "BATCH", "input_axes", "requested_axes", "torch_dynamic_shapes",
+           "check_axes_are_dynamic"]
 
 #: ``export_onnx``'s override: ``{graph input name: {dimension: axis name} | None}``.
 DynamicShapes = Mapping[str, Mapping[int, str] | None]
@@ -89,19 +91,51 @@ def torch_dynamic_shapes(axes: Sequence[dict[int, str]]) -> tuple[dict[int, obje
     return tuple({d: dims[name] for d, name in spec.items()} or None for spec in axes)
 
 
-def check_axes_are_dynamic(model_proto: onnx.ModelProto, axes: Sequence[dict[int, str]]) -> None:
-    """Raise when an axis asked to be dynamic came out of the exporter as a constant.
+def requested_axes(input_names: Sequence[str], dynamic_batch: bool,
+                   dynamic_shapes: DynamicShapes | None) -> list[set[int]]:
+    """Per graph input, the dimensions the caller asked to keep dynamic.
+
+    Every dimension of a ``dynamic_shapes`` entry, and dimension 0 when ``dynamic_batch`` is on; the rest of
+    :func:`input_axes` is the capture's default.
+    """
+    overrides = dict(dynamic_shapes or {})
+    requested = []
+    for name in input_names:
+        dims = {d for d in (overrides.get(name) or {}) if isinstance(d, int)}
+        requested.append({d for d in dims if d >= 0} | ({0} if dynamic_batch else set()))
+    return requested
+
+
+def check_axes_are_dynamic(model_proto: onnx.ModelProto, axes: Sequence[dict[int, str]],
+                           requested: Sequence[set[int]] | None = None) -> None:
+    """Raise when an axis the caller asked for came out of the exporter as a constant; warn for a default one.
+
+    ``requested`` (:func:`requested_axes`; None: every axis counts as asked for) separates the two.
+
+    A ``torch.export`` capture keeps a size symbolic under ``Dim.AUTO`` even where the model's code constrains it
+    (window padding whose guards hold only for some sizes, a size it branches on); the ONNX export asks for a
+    free ``Dim`` and torch then fixes it at the example size. The file is right at that size (``verify_onnx``
+    checks it), so only a size the caller named is an error.
 
     Raises:
         ValueError: names the input, the dimension and its constant, and the fix.
     """
-    for value, spec in zip(model_proto.graph.input, axes, strict=True):
+    for i, (value, spec) in enumerate(zip(model_proto.graph.input, axes, strict=True)):
         dims = value.type.tensor_type.shape.dim
         for d, axis in spec.items():
-            if d < len(dims) and not dims[d].dim_param:
-                fix = ("export with dynamic_batch=False" if d == 0 else
-                       f"export with dynamic_shapes={{{value.name!r}: {{...}}}} leaving dimension {d} out")
-                raise ValueError(
-                    f"dimension {d} ({axis!r}) of input {value.name!r} was exported as the constant "
-                    f"{dims[d].dim_value}: the model's code fixes it (e.g. a reshape to a literal size); {fix}"
-                )
+            if d >= len(dims) or dims[d].dim_param:
+                continue
+            if requested is not None and d not in requested[i]:
+                warnings.warn(
+                    f"dimension {d} ({axis!r}) of input {value.name!r} is fixed at {dims[d].dim_value} in the ONNX "
+                    "file: the capture kept it symbolic, but torch's exporter could not keep it free (the model's "
+                    "code constrains it, e.g. window padding or a reshape to a literal size); the file runs at that "
+                    f"size. Ask for it with dynamic_shapes={{{value.name!r}: {{{d}: {axis!r}}}}} to get an error "
+                    "instead", UserWarning, stacklevel=4)  # past export_onnx and its public_api wrapper
+                continue
+            fix = ("export with dynamic_batch=False" if d == 0 else
+                   f"export with dynamic_shapes={{{value.name!r}: {{...}}}} leaving dimension {d} out")
+            raise ValueError(
+                f"dimension {d} ({axis!r}) of input {value.name!r} was exported as the constant "
+                f"{dims[d].dim_value}: the model's code fixes it (e.g. a reshape to a literal size); {fix}"
+            )

@@ -53,6 +53,7 @@ from coreai_opt.onnx.export.dynamic_axes import (
     DynamicShapes,
     check_axes_are_dynamic,
     input_axes,
+    requested_axes,
     torch_dynamic_shapes,
 )
 from coreai_opt.onnx.export.export_routes import export_with_fallback, torchscript_export
@@ -330,7 +331,7 @@ def export_onnx(
 
     axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
     model_proto, quantized = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
-    check_axes_are_dynamic(model_proto, axes)
+    check_axes_are_dynamic(model_proto, axes, requested_axes(in_names, dynamic_batch, dynamic_shapes))
     report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized)
     del quantized
     check_no_deferred_weights(model_proto)
