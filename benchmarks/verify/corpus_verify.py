@@ -103,6 +103,7 @@ class CleanRow:
     top1: float | None = None  # argmax agreement over rows (classes) or tokens ([B, T, V])
     positions: int = 0  # rows or tokens compared
     near_tie_flips: int = 0
+    flips: str = ""  # the flips explained (OutputComparison.argmax_flips): largest eager margin vs the near-tie bound
     export_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -134,6 +135,7 @@ def clean_row(entry: CorpusModel, preset: str, work_dir: Path, options: RunOptio
         row.top1 = output.argmax_agreement
         row.positions = report.num_samples * (output.shape[1] if len(output.shape) == 3 else 1)
         row.near_tie_flips = output.argmax_flips_within_tolerance
+        row.flips = output.argmax_flips
     for f in work_dir.glob(f"{entry.name}.*"):
         f.unlink()
     return row

@@ -102,6 +102,8 @@ def _clean(args: argparse.Namespace, work: Path) -> str:
             continue
         steps = "-" if r.steps is None else f"{r.steps:.2f}"
         top1 = "-" if r.top1 is None else f"{100 * r.top1:.2f}% ({r.positions}, {r.near_tie_flips})"
+        if r.flips:
+            top1 += f": {r.flips}"
         failing = f"{r.quantizers} ({0 if r.failing_quantizer is None else 'first: ' + r.failing_quantizer})"
         lines.append(f"| {r.name} | {r.family} | {r.preset} | {r.ok} | {r.rule} | {steps} / {r.allowed} | {failing} "
                      f"| {top1} | {r.export_seconds:.1f} | {r.verify_seconds:.1f} |")
