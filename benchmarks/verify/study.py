@@ -4,9 +4,9 @@
 * ``clean``: every clean corpus export (``--presets``, default w8a8), with token agreement on decoders;
 * ``cost``: verify time with / without the per-quantizer comparison on five zoo models, interleaved rounds.
 
-Each measurement is also appended to ``<work-dir>/<part>.jsonl`` as it is made; the ``clean`` part reuses the rows
-already in its work dir's log (so several runs with ``--models`` subsets can share the 40 models, and a last run
-without ``--models`` writes the whole table).
+Each measurement is also appended to ``<work-dir>/<part>.jsonl`` as it is made; the ``clean`` and ``mutations``
+parts reuse the rows already in their work dir's log (several runs with ``--models`` subsets can share the models,
+and a last run over all of them writes the whole table).
 """
 
 from __future__ import annotations
@@ -44,16 +44,24 @@ def _mutations(args: argparse.Namespace, work: Path) -> str:
         models_of,
         mutation_outcomes,
     )
-    from benchmarks.verify.mutations import MUTATIONS
+    from benchmarks.verify.mutations import MUTATIONS, DefectOutcome
 
     options = RunOptions(eval_batches=2)
-    columns: dict[str, dict[str, object]] = {}
+    log = work / "mutations.jsonl"
+    done: dict[str, dict[str, DefectOutcome]] = {}
+    for line in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
+        record = json.loads(line)
+        done.setdefault(record.pop("model"), {})[record["defect"]] = DefectOutcome(**record)
+    columns: dict[str, dict[str, DefectOutcome]] = {}
     for entry in models_of(args.models or MUTATION_MODELS):
+        if len(done.get(entry.name, {})) == len(MUTATIONS):  # measured by an earlier run into this work dir
+            columns[entry.name] = done[entry.name]
+            continue
         export = export_corpus_model(entry, "w8a8", work / entry.name, options)
         outcomes = mutation_outcomes(export, work / entry.name)
         columns[entry.name] = {o.defect: o for o in outcomes}
         for o in outcomes:
-            append_jsonl(work / "mutations.jsonl", {"model": entry.name, **o.__dict__})
+            append_jsonl(log, {"model": entry.name, **o.__dict__})
             print(f"{entry.name} {o.defect}: {o.status} change={o.output_change} first={o.first_quantizer}",
                   flush=True)
     names = list(columns)
