@@ -51,7 +51,8 @@ def _mutations(args: argparse.Namespace, work: Path) -> str:
     done: dict[str, dict[str, DefectOutcome]] = {}
     for line in log.read_text(encoding="utf-8").splitlines() if log.exists() else []:
         record = json.loads(line)
-        done.setdefault(record.pop("model"), {})[record["defect"]] = DefectOutcome(**record)
+        model = record.pop("model")
+        done.setdefault(model, {})[record["defect"]] = DefectOutcome(**record)
     columns: dict[str, dict[str, DefectOutcome]] = {}
     for entry in models_of(args.models or MUTATION_MODELS):
         if len(done.get(entry.name, {})) == len(MUTATIONS):  # measured by an earlier run into this work dir
