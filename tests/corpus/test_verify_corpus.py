@@ -32,6 +32,9 @@ KNOWN_MISSES: dict[str, str] = {
                      "signs per channel) and the output by 4 steps, as much as the clean file differs from eager "
                      "(4 steps, 16 % of codes differ at its quantizer already); the bias rule is off above 1 % "
                      "upstream mismatch and the mismatch allowance grows past 40 % there",
+    "hf-llama": "drop_qdq moves the output 4 of 60 allowed steps; the dropped quantizer is absent from the file, so "
+                "no boundary compares it, and token agreement falls 99.8 % -> 92.6 % with every flip within the "
+                "near-tie bound (2 x 60 steps)",
 }
 
 
