@@ -140,3 +140,24 @@ def test_compare_judges_token_agreement_of_b_t_v_logits_per_token():
     decisive[1, 1] = [0.45, 0.5, 0.0]  # token (1, 1): eager margin 0.5, no near tie
     result = _compare("logits", [ref], [decisive], None)
     assert result.argmax_agreement == 0.75 and result.argmax_flips_within_tolerance == 0 and not result.ok
+
+
+def test_compare_explains_each_flip_by_its_largest_eager_margin_against_the_near_tie_bound():
+    """The report says why flips are forgiven: the largest eager top-2 margin of a flipped row vs 2x tolerance."""
+    from coreai_opt.onnx.verify.output_comparison import compare_output as _compare
+
+    ref = np.array([[[1.0, 0.999, -1.0], [2.0, 0.0, -1.0]],
+                    [[0.0, 3.0, 1.0], [0.5, 0.0, 0.0]]], dtype=np.float32)  # range 4.0: float tolerance 0.08
+    got = ref.copy()
+    got[0, 0] = [0.998, 0.9995, -1.0]  # margin 0.001
+    got[1, 1] = [0.0, 0.0, 0.03]  # margin 0.5, a decisive flip
+    result = _compare("logits", [ref], [got], None)
+    assert result.argmax_tie_bound == pytest.approx(2 * result.tolerance)
+    assert result.argmax_flip_max_margin == pytest.approx(0.5) and not result.ok
+    assert result.argmax_flips.endswith(f"0.5 > (decisive) bound {result.argmax_tie_bound:.3g}")
+    got[1, 1] = ref[1, 1]
+    result = _compare("logits", [ref], [got], None)
+    assert result.argmax_flip_max_margin == pytest.approx(0.001, abs=1e-6) and result.ok
+    assert result.argmax_flips == (f"1 near-tie flip(s); largest eager top-2 margin of a flip 0.001 <= bound "
+                                   f"{result.argmax_tie_bound:.3g}")
+    assert _compare("logits", [ref], [ref], None).argmax_flips == ""

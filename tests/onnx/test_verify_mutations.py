@@ -1,4 +1,4 @@
-"""verify_onnx against single defects written into w8a8 zoo exports (tests/onnx/verify_mutations.py), and clean files.
+"""verify_onnx against single defects written into w8a8 zoo exports (benchmarks/verify/mutations.py), and clean files.
 
 A defect *changes the output* when onnxruntime's output on the mutated file differs from its output on the clean
 file (4 batches of 16). Acceptance: every output-changing defect is flagged with the first failing quantizer named,
@@ -37,16 +37,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import torch
 from torch import nn
 
 import coreai_opt
+from benchmarks.verify.mutations import MUTATIONS, judge_defect, mutate
 from coreai_opt.onnx import export_onnx, verify_onnx
-from tests.onnx.verify_mutations import MUTATIONS, mutate
 from tests.zoo import PRESETS, ZOO, build, preset_config
 
 Exported = tuple[nn.Module, Path, list[torch.Tensor]]
@@ -76,41 +74,18 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], E
     return get
 
 
-def _run(path: Path, inputs: list[torch.Tensor]) -> list[np.ndarray] | None:
-    """onnxruntime's first output per batch, or None when the session cannot be built or run (shapes that no longer
-    fit after a swap)."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        name = session.get_inputs()[0].name
-        return [session.run(None, {name: x.numpy()})[0] for x in inputs]
-    except Exception:  # noqa: BLE001 (onnxruntime raises its own exception types)
-        return None
-
-
 def _check_defect(exported: Callable[[str, str], Exported], tmp_path: Path, name: str, defect: str) -> str:
     """Apply one defect; return what happened ("no site", "does not run", "output unchanged", "flagged")."""
     model, clean_path, inputs = exported(name, "w8a8")
-    mutated = mutate(onnx.load(str(clean_path)), defect)
-    if mutated is None:
-        return "no site"
-    path = tmp_path / f"{name}.{defect}.onnx"
-    onnx.save(mutated, str(path))
-    got = _run(path, inputs)
-    if got is None:
-        return "does not run"
-    clean = _run(clean_path, inputs)
-    changed = max(float(np.abs(a - b).max()) for a, b in zip(got, clean, strict=True))
-    report = verify_onnx(model, path, inputs)
-    print(f"\n{name} {defect}: output changed by {changed:.3g}\n{report}")
-    if changed == 0.0:
-        return "output unchanged" + (", flagged" if not report.ok else "")
-    assert not report.ok, f"{defect} changed the output by {changed:.3g} but verify_onnx passed:\n{report}"
-    first = report.first_failing_quantizer
-    assert first is not None, f"{defect} was flagged without naming a quantizer:\n{report}"
-    assert first.call.startswith("quantize_dequantize_") and first.rule in ("qparams", "steps", "mismatch", "bias")
-    return "flagged"
+    outcome = judge_defect(model, clean_path, [(x,) for x in inputs], defect, tmp_path)
+    assert outcome.status != "missed", f"{defect} changed the output by {outcome.output_change:.3g} but verify passed"
+    if outcome.status == "output unchanged":
+        return "output unchanged" + (", flagged" if outcome.flagged else "")
+    if outcome.status == "flagged":
+        assert outcome.first_quantizer is not None, f"{defect} was flagged without naming a quantizer"
+        assert outcome.first_quantizer.startswith("quantize_dequantize_")
+        assert outcome.first_rule in ("qparams", "steps", "mismatch", "bias")
+    return outcome.status
 
 
 # Default run: a handful of the table's cells, on the two fastest zoo models.

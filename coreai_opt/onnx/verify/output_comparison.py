@@ -46,6 +46,9 @@ class OutputComparison:
             token over the last axis), else None.
         argmax_flips_within_tolerance: Rows whose argmax differs but whose eager top-2 margin is within twice
             the output tolerance (near ties), else 0.
+        argmax_flip_max_margin: The largest eager top-2 margin among the rows whose argmax flipped (None when none
+            flipped): a flip is a near tie when this is at most ``argmax_tie_bound``.
+        argmax_tie_bound: ``2 · tolerance``, the margin below which a flip is a near tie (None without an argmax).
         ok: Within the derived tolerance (and no decisive argmax flip).
         rule: The tolerance rule that applied (``"exact"``, ``"steps"``, ``"float"``, ``"quantizer steps"``,
             ``"underived"``, ``"int8 compute"``; see :mod:`coreai_opt.onnx.verify.tolerance`).
@@ -67,6 +70,22 @@ class OutputComparison:
     tolerance_steps: int | None = None
     tolerance: float = 0.0
     reason: str = ""
+    argmax_flip_max_margin: float | None = None
+    argmax_tie_bound: float | None = None
+
+    @property
+    def argmax_flips(self) -> str:
+        """Why the argmax flips are forgiven, or not; ``""`` when no argmax flipped.
+
+        E.g. ``"3 near-tie flip(s); largest eager top-2 margin of a flip 0.012 <= bound 0.05"``; a margin above the
+        bound is marked decisive.
+        """
+        if self.argmax_flip_max_margin is None or self.argmax_tie_bound is None:
+            return ""
+        margin, bound = self.argmax_flip_max_margin, self.argmax_tie_bound
+        relation = "<=" if margin <= bound else "> (decisive)"
+        return (f"{self.argmax_flips_within_tolerance} near-tie flip(s); largest eager top-2 margin of a flip "
+                f"{margin:.3g} {relation} bound {bound:.3g}")
 
 
 def output_steps_of(model: onnx.ModelProto) -> dict[str, OutputStep]:
@@ -141,7 +160,7 @@ def compare_output(name: str, refs: list[np.ndarray], gots: list[np.ndarray], st
         ok = max_steps <= allowed_steps
     else:
         ok = max_diff <= tol
-    agreement, near_tie_flips = None, 0
+    agreement, near_tie_flips, flip_margin, tie_bound = None, 0, None, None
     if refs[0].ndim in (2, 3) and refs[0].shape[-1] > 1:  # classes [N, C] or a vocabulary per token [B, T, V]
         rows_of = [(ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])) for ref, got in zip(refs, gots,
                                                                                                       strict=True)]
@@ -152,6 +171,9 @@ def compare_output(name: str, refs: list[np.ndarray], gots: list[np.ndarray], st
         near_tie_flips = sum(int((f & (m <= 2 * tol)).sum()) for f, m in zip(flips, margins, strict=True))
         decisive_flips = sum(int(f.sum()) for f in flips) - near_tie_flips
         ok = ok and decisive_flips == 0
+        tie_bound = 2 * tol
+        flipped = [m[f] for f, m in zip(flips, margins, strict=True) if f.any()]
+        flip_margin = max(float(m.max()) for m in flipped) if flipped else None
     step_value = float(step.scale.reshape(-1)[0]) if step is not None and step.scale.size == 1 else None
     if step is not None and step.is_float8:
         step_value = None  # float8 steps vary with the value
@@ -159,4 +181,4 @@ def compare_output(name: str, refs: list[np.ndarray], gots: list[np.ndarray], st
     reason = tolerance.reason if tolerance is not None else "no derivation for this output: 0.02 of range"
     tolerance_steps = tolerance.steps if tolerance is not None and rule in ("exact", "steps") and step else None
     return OutputComparison(name, tuple(refs[0].shape), max_diff, step_value, max_steps, ref_range, agreement,
-                            near_tie_flips, ok, rule, tolerance_steps, tol, reason)
+                            near_tie_flips, ok, rule, tolerance_steps, tol, reason, flip_margin, tie_bound)

@@ -41,7 +41,8 @@ Kernel classes, from the non-exact onnxruntime kernels between this quantizer an
 * ``16-bit``: 16-bit codes (``w8a16``): their step is so fine that float ulps upstream flip many codes (measured up
   to 57 % differing on resnet18, within the derived step bound), so only rules 1 and 2 judge them.
 
-Measured against defects (``tests/onnx/test_verify_mutations.py``, w8a8 zoo): the first quantizer a defect reaches
+Measured against defects (``tests/onnx/test_verify_mutations.py``, w8a8 zoo; corpus models:
+``benchmarks/verify/RESULTS.md``): the first quantizer a defect reaches
 differs in 3 % (2 % of one weight's codes +3, shape_unpack) to 100 % of its codes, with qparams defects caught by
 rule 1 at the quantizer they were written into.
 """

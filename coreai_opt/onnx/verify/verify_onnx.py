@@ -138,6 +138,7 @@ class VerificationReport:
         lines = [f"{title}, ok={self.ok}"]
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines += [f"  tolerance of {o.name} ({o.rule}): {o.reason}" for o in self.outputs]
+        lines += [f"  argmax flips of {o.name}: {o.argmax_flips}" for o in self.outputs if o.argmax_flips]
         if self.divergence is not None:
             lines.append(f"  {self.divergence}")
         if (first := self.first_failing_quantizer) is not None:

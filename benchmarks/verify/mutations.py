@@ -19,17 +19,27 @@ the same defect on every run. The defects are the kind a buggy exporter or a pos
   neighbour's scale, i.e. scales laid out along the wrong channel order);
 * ``square_weight_transposed``: one weight with equal first two dimensions (``[n, n]`` or ``[C, C, k, k]``)
   transposed over them.
+
+:func:`judge_defect` applies one defect to an exported file and says what happened: no site, the file no longer
+runs, onnxruntime's output unchanged, or changed and then flagged (with the first failing quantizer named) or
+missed. The zoo suite (``tests/onnx/test_verify_mutations.py``), the corpus suite
+(``tests/corpus/test_verify_corpus.py``) and the ``verify`` study share it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import helper, numpy_helper
+from torch import nn
 
-__all__ = ["MUTATIONS", "Mutation", "mutate"]
+__all__ = ["MUTATIONS", "DefectOutcome", "Mutation", "judge_defect", "mutate", "run_file"]
 
 Mutation = Callable[[onnx.ModelProto], onnx.ModelProto | None]
 
@@ -246,3 +256,86 @@ def mutate(model: onnx.ModelProto, defect: str) -> onnx.ModelProto | None:
     if defect not in MUTATIONS:
         raise KeyError(f"unknown defect {defect!r}; known: {sorted(MUTATIONS)}")
     return MUTATIONS[defect](model)
+
+
+@dataclass(frozen=True)
+class DefectOutcome:
+    """What one defect did to one exported file.
+
+    Attributes:
+        defect: Key of :data:`MUTATIONS`.
+        status: ``"no site"``, ``"does not run"`` (onnxruntime rejects the mutated file), ``"output unchanged"``,
+            ``"flagged"`` or ``"missed"`` (the output changed and ``verify_onnx`` said ok).
+        output_change: ``max |mutated - clean|`` of onnxruntime's outputs over all batches (None when not run).
+        flagged: ``not report.ok`` (None when ``verify_onnx`` did not run).
+        first_quantizer: The first failing quantizer's traced call, e.g. ``"quantize_dequantize_3"``.
+        first_rule: The rule it failed (``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``).
+        seconds: Time of ``verify_onnx`` on the mutated file.
+    """
+
+    defect: str
+    status: str
+    output_change: float | None = None
+    flagged: bool | None = None
+    first_quantizer: str | None = None
+    first_rule: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def cell(self) -> str:
+        """Short table cell: output change, then F (flagged) / o (ok) / MISSED; ``-`` no site."""
+        if self.status == "no site":
+            return "-"
+        if self.status == "does not run":
+            return "no run"
+        verdict = "MISSED" if self.status == "missed" else ("F" if self.flagged else "o")
+        return f"{self.output_change:.2g} {verdict}"
+
+
+def run_file(path: Path, batches: Sequence[tuple[torch.Tensor, ...]]) -> list[list[np.ndarray]] | None:
+    """onnxruntime's outputs per batch, or None when the session cannot be built or run (a swap that no longer
+    fits the shapes)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        names = [i.name for i in session.get_inputs()]
+        return [session.run(None, {n: t.numpy() for n, t in zip(names, b, strict=True)}) for b in batches]
+    except Exception:  # noqa: BLE001 (onnxruntime raises its own exception types)
+        return None
+
+
+def _largest_change(got: list[list[np.ndarray]], clean: list[list[np.ndarray]]) -> float:
+    return max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0.0))
+               for g, c in zip(got, clean, strict=True) for a, b in zip(g, c, strict=True))
+
+
+def judge_defect(model: nn.Module, clean_path: Path, batches: Sequence[tuple[torch.Tensor, ...]], defect: str,
+                 work_dir: Path, clean_outputs: list[list[np.ndarray]] | None = None) -> DefectOutcome:
+    """Write ``defect`` into a copy of ``clean_path``, run it, and verify it against the converted ``model``.
+
+    ``clean_outputs`` (onnxruntime's outputs of the clean file on ``batches``) is computed when not given.
+    """
+    from coreai_opt.onnx import verify_onnx
+
+    mutated = mutate(onnx.load(str(clean_path)), defect)
+    if mutated is None:
+        return DefectOutcome(defect, "no site")
+    path = work_dir / f"{clean_path.stem}.{defect}.onnx"
+    onnx.save(mutated, str(path))
+    got = run_file(path, batches)
+    if got is None:
+        return DefectOutcome(defect, "does not run")
+    clean = clean_outputs if clean_outputs is not None else run_file(clean_path, batches)
+    changed = _largest_change(got, clean)
+    start = time.perf_counter()
+    report = verify_onnx(model, path, list(batches))
+    seconds = time.perf_counter() - start
+    first = report.first_failing_quantizer
+    status = "output unchanged" if changed == 0.0 else ("flagged" if not report.ok else "missed")
+    if status != "output unchanged" or not report.ok:
+        print(f"\n{clean_path.stem} {defect}: output changed by {changed:.3g}\n{report}")
+    return DefectOutcome(defect, status, changed, not report.ok, None if first is None else first.call,
+                         None if first is None else first.rule, seconds)
