@@ -1,7 +1,10 @@
 """The eight decoder families of the matrix as tiny ``save_pretrained`` folders, built offline (random weights).
 
 Each folder holds a small random model (hidden 64, 2 layers, 4 heads; 2 KV heads where the family has grouped-query
-attention) and a word-level tokenizer with BOS / EOS / UNK and no pad token, as most decoder tokenizers have. The
+attention) and a byte-level BPE tokenizer (trained here on the prompt words, :data:`VOCAB` entries) with BOS / EOS /
+UNK and no pad token, as most decoder tokenizers have. Byte-level BPE, because some families' tokenizer classes
+rebuild the tokenizer from its vocabulary and merges (transformers 5 loads a Qwen2 folder with ``Qwen2Tokenizer``
+whatever ``tokenizer_config.json`` says), which turns a word-level vocabulary into empty prompts. The
 configs keep each family's own features switched on, so the export meets them: sliding windows shorter than a
 prompt plus its 32 generated tokens (Mistral, Gemma2's local layers), Gemma2's logit soft-capping, GPT-2's
 ``Conv1D`` linears, GPT-NeoX's partial rotary embedding (a quarter of each head) and fused q/k/v, Phi-3's fused
@@ -16,10 +19,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "WORDS", "PROMPTS", "CALIBRATION", "save_family"]
+__all__ = ["FAMILIES", "WORDS", "VOCAB", "PROMPTS", "CALIBRATION", "save_family", "tokenizer"]
 
-WORDS = ["<unk>", "<s>", "</s>", *"the a cat dog sat on mat is good bad movie film very not".split(),
-         *(f"w{i}" for i in range(80))]
+SPECIAL = ["<unk>", "<s>", "</s>"]
+WORDS = [*"the a cat dog sat on mat is good bad movie film very not".split(), *(f"w{i}" for i in range(80))]
+#: Tokenizer vocabulary: the 3 special tokens, 256 bytes, and merges up to this size.
+VOCAB = 400
 #: Prompts of the generation check (8), and the calibration text (8 other lines).
 PROMPTS = ["the cat sat on the mat", "a very good movie", "the dog is bad w1 w2", "not a good film w7",
            "w3 w4 w5 w6 w9", "the film is very bad w11", "a dog sat on a cat w20", "good good good w33 w40"]
@@ -29,7 +34,7 @@ CALIBRATION = ["the dog sat on the mat", "a very bad film", "the cat is good w5"
 _SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
           "max_position_embeddings": 256}
 _GQA = {**_SIZES, "num_key_value_heads": 2}
-_TOKENS = {"vocab_size": len(WORDS), "bos_token_id": 1, "eos_token_id": 2}
+_TOKENS = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2}
 #: Shorter than a prompt plus 32 new tokens, so the window is exercised.
 SLIDING_WINDOW = 16
 
@@ -75,17 +80,28 @@ FAMILIES: dict[str, Callable[[Any], Any]] = {
     "gpt2": _gpt2, "gpt_neox": _gpt_neox}
 
 
-def save_family(name: str, directory: Path) -> Path:
-    """Write family ``name``'s random model (seed 0) and the word-level tokenizer to ``directory``."""
+def tokenizer() -> Any:
+    """The byte-level BPE of every folder: ``<unk>`` / ``<s>`` / ``</s>`` = 0 / 1 / 2, merges learned on the words."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([" ".join(WORDS), *PROMPTS, *CALIBRATION] * 4, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+def save_family(name: str, directory: Path) -> Path:
+    """Write family ``name``'s random model (seed 0) and :func:`tokenizer` to ``directory``."""
+    import transformers
 
     if name not in FAMILIES:
         raise ValueError(f"unknown family {name!r}; the families are {list(FAMILIES)}")
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                                         eos_token="</s>").save_pretrained(directory)
+    tokenizer().save_pretrained(directory)
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     FAMILIES[name](transformers).eval().save_pretrained(directory)

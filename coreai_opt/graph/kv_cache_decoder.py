@@ -254,7 +254,7 @@ def _dynamic_cache(num_layers: int, flat: tuple[torch.Tensor, ...]) -> Any:
 
     Full-length for every layer, sliding-window ones included: transformers' sliding layer keeps only the last
     ``W - 1`` positions, so ``present`` would stop matching ``attention_mask``'s length; the window is applied by
-    the mask instead (:func:`_attention`), as onnxruntime-genai's decoder does.
+    the mask instead (:func:`_attention`).
     """
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
