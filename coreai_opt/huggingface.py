@@ -32,7 +32,8 @@ from torch import nn
 from coreai_opt.error_boundary import public_api
 from coreai_opt.errors import CoreaiOptError
 
-__all__ = ["PretrainedModel", "MissingExtraError", "from_pretrained", "is_pretrained_directory", "IMAGE_SUFFIXES"]
+__all__ = ["PretrainedModel", "MissingExtraError", "from_pretrained", "is_pretrained_directory", "is_causal_lm",
+           "IMAGE_SUFFIXES"]
 
 #: Image files read from a calibration folder.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
@@ -77,6 +78,16 @@ def forward_input_names(model: nn.Module) -> tuple[str, ...]:
     """Names of the positional-or-keyword parameters of ``model.forward``, in order."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return tuple(p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in kinds)
+
+
+def is_causal_lm(architecture: str) -> bool:
+    """``architecture`` is one of transformers' causal LMs (``GPT2LMHeadModel`` as well as every ``*ForCausalLM``).
+
+    The table is transformers' own ``AutoModelForCausalLM`` mapping.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return architecture in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or architecture.endswith("ForCausalLM")
 
 
 @dataclass

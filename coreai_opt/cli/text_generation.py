@@ -68,14 +68,15 @@ def run_text_generation(args: argparse.Namespace, loaded: Any, config: Any, outp
     """
     import coreai_opt as co
     from coreai_opt.graph.kv_cache_decoder import DecoderWithCache
+    from coreai_opt.huggingface import is_causal_lm
     from coreai_opt.onnx.export.genai_config import write_genai_files
     from coreai_opt.onnx.verify.generation import compare_greedy
 
     hf = loaded.pretrained
-    if hf is None or not hf.architecture.endswith("ForCausalLM"):
+    if hf is None or not is_causal_lm(hf.architecture):
         what = hf.architecture if hf is not None else args.model
         raise CliError(f"--task {TEXT_GENERATION} needs a Hugging Face save_pretrained directory of a causal LM "
-                       f"(architectures: *ForCausalLM), got {what}")
+                       f"(architectures: *ForCausalLM, GPT2LMHeadModel, ...), got {what}")
     decoder = DecoderWithCache(hf.model).eval()
     prompts, calibration = _prompts(args, hf, console)
     example = decoder.example_inputs()

@@ -19,6 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from coreai_opt.errors import CoreaiOptValueError
+from coreai_opt.graph.attention_math import masked_softmax
+
 __all__ = ["DecoderWithCache", "kv_cache_names", "causal_mask", "ATTENTION"]
 
 #: The attention function the wrapper registers with transformers and switches the model to (same math as "sdpa").
@@ -75,7 +78,7 @@ class DecoderWithCache(nn.Module):
         if len(past_key_values) != 2 * self.num_layers:
             raise ValueError(f"expected {2 * self.num_layers} past key / value tensors ({self.num_layers} layers), "
                              f"got {len(past_key_values)}")
-        cache = _dynamic_cache(self.model.config, past_key_values)
+        cache = _dynamic_cache(self.num_layers, past_key_values)
         mask = causal_mask(attention_mask, input_ids.shape[1])
         with _attention_implementation(self.model.config, ATTENTION):
             out: Any = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
@@ -169,18 +172,56 @@ def causal_mask(attention_mask: torch.Tensor, sequence: int) -> torch.Tensor:
     return causal[None, None, :, :] & attention_mask.bool()[:, None, None, :]
 
 
+#: Keyword arguments of transformers' attention-function contract that change the math and that :func:`_attention`
+#: does not implement: a model passing one of them (not None) is refused rather than computed without it.
+UNSUPPORTED_ATTENTION_ARGUMENTS = ("s_aux", "sinks", "attention_chunk_size", "head_mask")
+
+
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-               **_: Any) -> tuple[torch.Tensor, None]:
-    """Transformers' attention-function contract: ``softmax(q k^T * scaling + mask) v``, heads then tokens swapped.
+               sliding_window: int | None = None, softcap: float | None = None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    r"""Transformers' attention-function contract: ``softmax(q k^T * scaling + mask) v``, heads then tokens swapped.
 
     Unlike transformers' "sdpa" it has no branch on the query length (decode's one token vs prefill), so one
-    captured graph serves both; grouped-query heads go to SDPA's ``enable_gqa``.
+    captured graph serves both; grouped-query heads go to SDPA's ``enable_gqa``. Two per-layer options of the
+    contract are applied here, since the wrapper hands the model one ready-made mask for every layer:
+
+    * ``sliding_window`` :math:`W` (Mistral, Qwen2, Phi-3, Gemma2's local layers): with :math:`S` queries over
+      :math:`T` keys, query :math:`i` sits at position :math:`T - S + i` and sees key :math:`j` only when
+      :math:`j > T - S + i - W` (transformers' ``sliding_window_overlay``), on top of ``attention_mask``.
+    * ``softcap`` :math:`c` (Gemma2): the logits :math:`s = q k^\top \cdot` ``scaling`` become
+      :math:`c \tanh(s / c)` before the mask and softmax.
+
+    Raises:
+        CoreaiOptValueError: The model passes an option of :data:`UNSUPPORTED_ATTENTION_ARGUMENTS`.
     """
+    given = [name for name in UNSUPPORTED_ATTENTION_ARGUMENTS if kwargs.get(name) is not None]
+    if given:
+        raise CoreaiOptValueError(
+            f"{type(module).__name__} passes {', '.join(given)} to its attention function, which the KV-cache "
+            "decoder export does not implement; export this model without task='text-generation'")
+    if sliding_window is not None and attention_mask is not None:
+        attention_mask = attention_mask & _window(query.shape[2], key.shape[2], int(sliding_window), query.device)
     groups = query.shape[1] // key.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                                           enable_gqa=groups > 1)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               scale=scaling, enable_gqa=groups > 1)
+    else:
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        logits = torch.matmul(query, key.transpose(-2, -1)) * scale
+        capped = torch.tanh(logits / softcap) * softcap
+        out = torch.matmul(masked_softmax(capped, 1.0, attention_mask), value)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(sequence: int, total: int, window: int, device: torch.device) -> torch.Tensor:
+    """``(sequence, total)`` bool: key ``j`` lies within ``window`` positions of query ``i`` (at ``total - S + i``)."""
+    query = torch.arange(sequence, device=device) + (total - sequence)
+    key = torch.arange(total, device=device)
+    return key[None, :] > query[:, None] - window
 
 
 @contextlib.contextmanager
@@ -208,10 +249,18 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, full_mask)
 
 
-def _dynamic_cache(config: Any, flat: tuple[torch.Tensor, ...]) -> Any:
-    from transformers import DynamicCache
+def _dynamic_cache(num_layers: int, flat: tuple[torch.Tensor, ...]) -> Any:
+    """A ``DynamicCache`` of full-length layers holding ``flat``'s keys and values.
 
-    cache = DynamicCache(config=config)
+    Full-length for every layer, sliding-window ones included: transformers' sliding layer keeps only the last
+    ``W - 1`` positions, so ``present`` would stop matching ``attention_mask``'s length; the window is applied by
+    the mask instead (:func:`_attention`).
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer() for _ in range(num_layers)]
     for i, layer in enumerate(cache.layers):
         key, value = flat[2 * i], flat[2 * i + 1]
         layer.lazy_initialization(key, value)

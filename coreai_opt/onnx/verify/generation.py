@@ -17,7 +17,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-__all__ = ["GenerationReport", "greedy_tokens", "compare_greedy"]
+__all__ = ["GenerationReport", "greedy_tokens", "compare_greedy", "eager_step", "ort_step", "Step"]
 
 #: One decoder call: ``(input_ids, attention_mask, position_ids, past) -> (logits, present)``, numpy arrays.
 Step = Callable[[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]], tuple[np.ndarray, list[np.ndarray]]]
@@ -78,7 +78,9 @@ def greedy_tokens(step: Step, prompt: np.ndarray, empty_past: list[np.ndarray], 
     return tokens, logits_seen
 
 
-def _eager_step(model: nn.Module) -> Step:
+def eager_step(model: nn.Module) -> Step:
+    """One call of the eager KV-cache decoder ``model`` as a :data:`Step` (no gradients)."""
+
     @torch.no_grad()
     def step(ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray]
              ) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -87,7 +89,8 @@ def _eager_step(model: nn.Module) -> Step:
     return step
 
 
-def _ort_step(session: ort.InferenceSession) -> Step:
+def ort_step(session: ort.InferenceSession) -> Step:
+    """One run of the decoder file's onnxruntime ``session`` as a :data:`Step` (inputs fed in graph order)."""
     names = [i.name for i in session.get_inputs()]
 
     def step(ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray]
@@ -113,8 +116,8 @@ def compare_greedy(model: nn.Module, path: str | os.PathLike[str], prompts: Sequ
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     past = [t.numpy() for t in empty_past]
-    runs = [(greedy_tokens(_ort_step(session), p.numpy(), past, count),
-             greedy_tokens(_eager_step(model), p.numpy(), past, count)) for p in prompts]
+    runs = [(greedy_tokens(ort_step(session), p.numpy(), past, count),
+             greedy_tokens(eager_step(model), p.numpy(), past, count)) for p in prompts]
     firsts: list[int | None] = []
     margins: list[float | None] = []
     for (ours, _), (theirs, logits) in runs:
