@@ -71,6 +71,7 @@ from coreai_opt.onnx.export.save import check_output_path, save_model_atomically
 from coreai_opt.onnx.rewrite.rewrite_report import record_report
 from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import finish_matmul_nbits
 from coreai_opt.passes.sink_weight_quantizers import eager_order
+from coreai_opt.quantization.fake_quantize.calibration_state import calibration_state_hidden
 from coreai_opt.quantization.matmul_nbits.int8_compute_op import Int8ComputeActivation, int8_compute_translation_table
 from coreai_opt.quantization.ops.dynamic_quantize_op import dynamic_quantize_dequantize_translation_table
 from coreai_opt.quantization.ops.quantize_dequantize_op import quantize_dequantize_translation_table
@@ -147,12 +148,17 @@ def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
 
 
 def strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
-    """Keep only the ``namespace`` (module path) of each node's exporter metadata.
+    """Keep only the ``namespace`` (module path) of each node's exporter metadata, and none of the graph's.
 
     The dynamo exporter also records the FX node text, the class hierarchy and the Python stack trace (absolute
     source paths) on every node; on small models that is as large as the quantized weights and it ties the file's
-    bytes to the machine it was exported on.
+    bytes to the machine it was exported on. On the graph it records the ``torch.export`` program's signature and
+    range constraints (``pkg.torch.export.*``): a list of the traced module's inputs (tens of KB for a ResNet-18),
+    not a description of the ONNX graph.
     """
+    kept_graph = [entry for entry in model_proto.graph.metadata_props if not entry.key.startswith("pkg.torch.")]
+    del model_proto.graph.metadata_props[:]
+    model_proto.graph.metadata_props.extend(kept_graph)
     for node in model_proto.graph.node:
         kept = [entry for entry in node.metadata_props if entry.key in _KEPT_NODE_METADATA]
         del node.metadata_props[:]
@@ -169,14 +175,15 @@ def _export_proto(
     """
 
     def dynamo() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        with rounded_weight_buffers(model, lazy=True) as placeholders:  # one rounded weight in memory at a time
+        # one rounded weight in memory at a time; the calibration statistics are not lifted
+        with rounded_weight_buffers(model, lazy=True) as placeholders, calibration_state_hidden(model):
             program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
             bind_rounded_weights(program.model, placeholders)
         quantized = defer_large_weights(program.model)
         return program.model_proto, quantized
 
     def torchscript() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        with rounded_weight_buffers(model, lazy=False):
+        with rounded_weight_buffers(model, lazy=False), calibration_state_hidden(model):
             proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
         return proto, prequantize_initializers(proto)
 

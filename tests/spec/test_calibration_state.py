@@ -11,7 +11,7 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.onnx.export import export_onnx as export_module
-from coreai_opt.onnx.export.calibration_state import EXPORTED_QPARAMS, calibration_state_hidden
+from coreai_opt.quantization.fake_quantize.calibration_state import EXPORTED_QPARAMS, calibration_state_hidden
 from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
 
 
