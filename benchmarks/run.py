@@ -25,7 +25,7 @@ import argparse
 import shlex
 import sys
 
-from benchmarks import auto, comparison, corpus, demo, matmul_nbits, memory, minilm, sweep
+from benchmarks import audit, auto, comparison, corpus, demo, matmul_nbits, memory, minilm, sweep
 from benchmarks.common.study import Study
 
 __all__ = ["STUDIES", "main", "study_list", "unknown_study_message"]
@@ -40,6 +40,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     memory.STUDY,
     demo.STUDY,
     sweep.STUDY,
+    audit.STUDY,
 )}
 
 
