@@ -27,7 +27,7 @@ import argparse
 import shlex
 import sys
 
-from benchmarks import auto, comparison, corpus, demo, llm, matmul_nbits, memory, minilm, sweep, verify
+from benchmarks import audit, auto, comparison, corpus, demo, llm, matmul_nbits, memory, minilm, sweep, verify
 from benchmarks.common.study import Study
 
 __all__ = ["STUDIES", "main", "study_list", "unknown_study_message"]
@@ -44,6 +44,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     sweep.STUDY,
     verify.STUDY,
     llm.STUDY,
+    audit.STUDY,
 )}
 
 

@@ -26,6 +26,7 @@ class Timing:
     median_ms: float
     p90_ms: float
     runs: int
+    samples: tuple[float, ...] = ()  # every run in order: round r is samples[r * runs_per_round : (r + 1) * ...]
 
 
 def measure(
@@ -58,5 +59,6 @@ def measure(
                     samples[label].append((time.perf_counter() - start) * 1e3)
         del sessions
     return {
-        label: Timing(statistics.median(s), float(np.percentile(s, 90)), len(s)) for label, s in samples.items()
+        label: Timing(statistics.median(s), float(np.percentile(s, 90)), len(s), tuple(s))
+        for label, s in samples.items()
     }

@@ -36,7 +36,8 @@ from benchmarks.common.latency import measure
 from benchmarks.common.onnx_utils import FLOAT_OPSET, session
 from benchmarks.corpus.models import CorpusModel
 
-__all__ = ["CorpusRow", "RunOptions", "decisive_flips", "run_corpus_model", "sqnr_db", "top1_agreement"]
+__all__ = ["CorpusRow", "RunOptions", "decisive_flips", "eager_outputs", "export_float", "quantize_static_peer",
+           "run_corpus_model", "run_onnx", "sqnr_db", "top1_agreement"]
 
 Batch = tuple[Tensor, ...]
 STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
@@ -164,12 +165,14 @@ class _Reader:
         self._iter = iter(self._feeds)
 
 
-def _run_onnx(path: Path, names: Sequence[str], batches: Sequence[Batch]) -> list[np.ndarray]:
+def run_onnx(path: Path, names: Sequence[str], batches: Sequence[Batch]) -> list[np.ndarray]:
+    """The first output of the ONNX model at ``path`` on each batch (onnxruntime, 1 thread)."""
     sess = session(path, threads=1)
     return [sess.run(None, {n: t.numpy() for n, t in zip(names, b, strict=True)})[0] for b in batches]
 
 
-def _eager(model: nn.Module, batches: Sequence[Batch]) -> list[np.ndarray]:
+def eager_outputs(model: nn.Module, batches: Sequence[Batch]) -> list[np.ndarray]:
+    """``model``'s output on each batch, without gradients."""
     with torch.no_grad():
         return [model(*b).detach().numpy() for b in batches]
 
@@ -185,7 +188,7 @@ def export_float(model: nn.Module, example: Batch, names: Sequence[str], path: P
     return path
 
 
-def _quantize_static(float_path: Path, names: Sequence[str], calib: Sequence[Batch], out: Path) -> bool:
+def quantize_static_peer(float_path: Path, names: Sequence[str], calib: Sequence[Batch], out: Path) -> bool:
     """Preprocess (when onnxruntime's pre-processing succeeds) and quantize; return whether it was preprocessed."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -255,16 +258,16 @@ def run_corpus_model(entry: CorpusModel, work_dir: Path, options: RunOptions = R
     gen = torch.Generator().manual_seed(options.seed + 1)
     calib = [entry.inputs(gen, options.calib_batch) for _ in range(options.calib_batches)]
     evals = [entry.inputs(gen, options.eval_batch) for _ in range(options.eval_batches)]
-    reference = _eager(model, evals)
+    reference = eager_outputs(model, evals)
     names = entry.input_names
 
     ours_path = work_dir / f"{entry.name}.ours.onnx"
     converted = _ours(entry, model, calib, evals, ours_path, row, timer)
     if converted is not None:
-        ours_out = _run_onnx(ours_path, names, evals)
+        ours_out = run_onnx(ours_path, names, evals)
         row.sqnr_ours = sqnr_db(reference, ours_out)
         if entry.has_logits:
-            eager = _eager(converted, evals)
+            eager = eager_outputs(converted, evals)
             row.top1_verify = top1_agreement(eager, ours_out)
             row.decisive_flips = decisive_flips(eager, ours_out, row.tolerance)
             row.top1_ours_float = top1_agreement(reference, ours_out)
@@ -274,8 +277,8 @@ def run_corpus_model(entry: CorpusModel, work_dir: Path, options: RunOptions = R
         with timer.stage("ort_float_export"):
             export_float(model, calib[0], names, float_path)
         with timer.stage("ort_quantize"):
-            row.ort_preprocessed = _quantize_static(float_path, names, calib, ort_path)
-        ort_out = _run_onnx(ort_path, names, evals)
+            row.ort_preprocessed = quantize_static_peer(float_path, names, calib, ort_path)
+        ort_out = run_onnx(ort_path, names, evals)
         row.sqnr_ort = sqnr_db(reference, ort_out)
         if entry.has_logits:
             row.top1_ort_float = top1_agreement(reference, ort_out)

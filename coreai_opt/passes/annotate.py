@@ -9,9 +9,10 @@ conv, conv_transpose, linear                input, weight, output (after a follo
                                             bias int32 with derived scale ``s_in · s_w`` (``int32_bias``)
 matmul                                      both operands (a ``get_attr`` operand as a weight), output
 embedding                                   weight only (indices are integers)
-add, mul, sub, div                          every tensor operand and the output (after a following relu)
-layer_norm, group_norm, gelu, silu,         input and output
-hardswish, interpolate, avg_pool, relu*,
+add, mul, sub, div                          every tensor operand and the output (after a following relu);
+                                            none with a number operand (``float_only_ops``)
+layer_norm, group_norm, gelu, silu,         input and output; none for a mean other than a 4-D
+hardswish, interpolate, avg_pool, relu*,    spatial one (``float_only_ops``)
 sigmoid, tanh
 softmax                                     input and output, output range fixed to [0, 1]
                                             (``fixed_range_outputs``) with its upper end shrunk to a
@@ -63,6 +64,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.activation_ranges import edge_request_spec, fixed_range_spec
+from coreai_opt.graph.float_only_ops import float_only_reason
 from coreai_opt.graph.graph_attrs import get_attr_value, node_shape
 from coreai_opt.graph.identity_ops import skip_identities
 from coreai_opt.graph.node_meta import (
@@ -234,9 +236,12 @@ class _Matcher:
             if isinstance(source, Node) and (_is_float_tensor(source, self.gm) or get_meta(source).kind is OpKind.MOVE):
                 return Annotation(output=SharedSpec(source)), None
             return None, None
+        label = _label(node)
+        float_only = float_only_reason(node, meta.kind, len(data))
+        if float_only is not None:
+            return None, f"{label} left float: {float_only}"
         resolved = self.specs(node)
         act, inputs = resolved.activation, []
-        label = _label(node)
         dynamic = act is not None and FAKE_QUANTIZE.get_class(act.fake_quantize).exports_dynamic
         if dynamic:  # only the input edges of linears read a dynamic quantizer (module docstring)
             if meta.kind is OpKind.LINEAR:

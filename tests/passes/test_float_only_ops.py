@@ -1,0 +1,103 @@
+"""Ops onnxruntime runs only in float request no quantizers (coreai_opt.graph.float_only_ops), measured in ORT."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import fx, nn
+
+import coreai_opt as co
+from coreai_opt.config import QuantizerConfig
+from coreai_opt.graph.node_meta import get_meta
+from coreai_opt.graph.op_kinds import OpKind
+from coreai_opt.onnx.verify.fusion_report import optimized_model
+from tests.passes.pipeline import annotated, inserted
+
+W8A8 = QuantizerConfig.presets.w8a8
+
+
+class _RMSNormBlock(nn.Module):
+    """linear → RMSNorm (``x · rsqrt(mean(x²) + eps) · w``) → linear, as Llama / Gemma write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+        self.weight = nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return self.b(h)
+
+
+class _ScaledBetweenLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * 0.5)
+
+
+def _kind_nodes(gm: fx.GraphModule, kind: OpKind) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if get_meta(n).kind is kind]
+
+
+def _quantized_values(gm: fx.GraphModule) -> list[str]:
+    """Names of the nodes whose output an activation quantizer reads, in graph order."""
+    return [n.args[0].name for n in gm.graph.nodes
+            if get_meta(n).quantizer is not None and get_meta(n).quantizer.role.value == "activation"]
+
+
+def test_rmsnorm_mean_and_epsilon_add_request_no_quantizers_and_say_why() -> None:
+    gm = annotated(_RMSNormBlock().eval(), torch.randn(4, 16), W8A8())
+    mean, = _kind_nodes(gm, OpKind.AVG_POOL)
+    adds = _kind_nodes(gm, OpKind.ADD)
+    assert get_meta(mean).annotation is None
+    assert "mean over other axes than the spatial ones of a 4-D tensor" in get_meta(mean).float_reason
+    assert [get_meta(a).annotation for a in adds] == [None]
+    assert "add with a number operand" in get_meta(adds[0]).float_reason
+    # x · rsqrt(...) and · weight still run as QLinearMul: both operands and the output of each mul are quantized
+    assert all(len(get_meta(m).annotation.inputs) == 2 for m in _kind_nodes(gm, OpKind.MUL))
+
+
+def test_a_spatial_mean_of_a_4d_tensor_keeps_its_quantizers() -> None:
+    class Pool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x).mean((2, 3))
+
+    gm = annotated(Pool().eval(), torch.randn(1, 3, 8, 8), W8A8())
+    mean, = _kind_nodes(gm, OpKind.AVG_POOL)
+    annotation = get_meta(mean).annotation
+    assert annotation is not None and len(annotation.inputs) == 1 and annotation.output is not None
+
+
+def test_a_number_multiply_between_two_linears_keeps_both_of_its_edges_quantized() -> None:
+    gm = inserted(_ScaledBetweenLinears().eval(), torch.randn(2, 8), W8A8())
+    mul, = _kind_nodes(gm, OpKind.MUL)
+    assert get_meta(mul).annotation is None
+    # the producer's output and the consumer's input are still quantized: the same 4 edges as with the mul's own
+    assert _quantized_values(gm) == ["x", "linear", "mul", "linear_1"]
+
+
+def test_rmsnorm_block_runs_without_quantize_dequantize_round_trips_and_onnxruntime_matches_eager(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _RMSNormBlock().eval()
+    batches = [(torch.randn(4, 16),) for _ in range(3)]
+    prepared = co.prepare(model, W8A8(), batches[0])
+    co.calibrate(prepared, batches, progress=False)
+    converted = co.convert(prepared)
+    path = co.export_onnx(converted, batches[0], tmp_path / "rms.onnx")
+    ops = Counter(n.op_type for n in optimized_model(path, level="all").graph.node)
+    # Q: the input and rsqrt's output (read by QLinearMul); DQ: a's output (read by pow) and the graph output.
+    # Before float_only_ops the mean's input / output and the epsilon add's output were three more Q -> DQ pairs.
+    assert {op: ops[op] for op in ("QuantizeLinear", "DequantizeLinear", "QLinearMul", "QGemm", "ReduceMean")} == {
+        "QuantizeLinear": 2, "DequantizeLinear": 2, "QLinearMul": 2, "QGemm": 2, "ReduceMean": 1}
+    assert co.verify_onnx(converted, path, batches).ok
