@@ -1,0 +1,242 @@
+"""Held-out perplexity of a small trained Llama-style LM: fp32, our w8a8 / w4 (each rounding) / w4 int8 compute,
+and onnxruntime-genai's builder int4 on the same weights (issue 32).
+
+Usage::
+
+    python -m benchmarks.run llm_quality                         # trains once (cached), ~25 min on a loaded box
+    python -m benchmarks.run llm_quality --only "ours w4 (default: gptq, asym, b32)" --output /tmp/R.md
+    python -m benchmarks.run llm_quality --genai-python /path/to/venv/bin/python
+
+Every ONNX file is scored in onnxruntime (1 thread) on the same windows (:mod:`benchmarks.llm_quality.perplexity`);
+fp32 is also scored in PyTorch. Our rows are built in ``--jobs`` worker processes, each row in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common.results_file import write_page
+from benchmarks.common.study import quiet_libraries
+
+__all__ = ["Row", "configure", "run"]
+
+DEFAULT_OUTPUT = Path(__file__).with_name("RESULTS.md")
+DEFAULT_CACHE = Path.home() / ".cache" / "coreai_opt_benchmarks" / "llm_quality"
+DEFAULT_GENAI_PYTHON = Path("/tmp/llmwork/genai-venv/bin/python")
+#: Tokens per scored window (each predicts ``WINDOW - 1``).
+WINDOW = 256
+#: Calibration prompts (windows of the training tokens) and their length.
+CALIBRATION_PROMPTS, CALIBRATION_LENGTH = 16, 128
+
+
+@dataclass(frozen=True)
+class Row:
+    """One scored model."""
+
+    label: str
+    where: str  # "PyTorch" or "onnxruntime"
+    nll: float
+    tokens: int
+    size: int | None  # bytes on disk (ONNX + external data)
+    seconds: float | None  # build time (quantize + export, or the builder's run)
+    error: str | None = None
+
+    @property
+    def perplexity(self) -> float:
+        from benchmarks.llm_quality.perplexity import perplexity
+
+        return perplexity(self.nll, self.tokens)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The study's options."""
+    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="markdown report (default: RESULTS.md)")
+    parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="trained model cache (default: %(default)s)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="ONNX files (default: <cache>/onnx)")
+    parser.add_argument("--genai-python", type=Path, default=DEFAULT_GENAI_PYTHON,
+                        help="a Python with onnxruntime-genai, transformers, torch, onnx, onnx_ir (the builder)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="score only the first N held-out tokens")
+    parser.add_argument("--only", nargs="+", default=None, help="our rows to run (labels); default all")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes for our rows")
+
+
+def _windows(ids: torch.Tensor, max_tokens: int | None) -> list[torch.Tensor]:
+    from benchmarks.llm_quality.perplexity import windows
+
+    return windows(ids if max_tokens is None else ids[:max_tokens], WINDOW)
+
+
+def _calibration_prompts(training: torch.Tensor) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, training.numel() - CALIBRATION_LENGTH, (CALIBRATION_PROMPTS,), generator=generator)
+    return [training[s:s + CALIBRATION_LENGTH] for s in starts.tolist()]
+
+
+def _our_row(folder: Path, label: str, prompts: list[torch.Tensor], scored: list[torch.Tensor], output: Path,
+             head_dim: int) -> Row:
+    """Worker: build one of our variants and score it (its own process)."""
+    from benchmarks.common.torchvision_ops import declare_torchvision_ops
+
+    declare_torchvision_ops()
+    quiet_libraries()
+    torch.set_num_threads(1)
+    from benchmarks.llm_quality.perplexity import onnx_logits, score
+    from benchmarks.llm_quality.variants import OUR_VARIANTS, build_ours
+
+    variant = next(v for v in OUR_VARIANTS if v.label == label)
+    try:
+        built = build_ours(folder, variant, prompts, output)
+        result = score(onnx_logits(built.path, head_dim), scored)
+    except Exception as exc:  # a failing row is reported in the table, the others still run
+        return Row(label, "onnxruntime", float("nan"), 0, None, None, f"{type(exc).__name__}: {exc}"[:300])
+    return Row(label, "onnxruntime", result.nll, result.tokens, built.size, built.seconds)
+
+
+def _builder_row(args: argparse.Namespace, folder: Path, precision: str, work: Path, scored: list[torch.Tensor],
+                 head_dim: int) -> Row:
+    from benchmarks.llm_quality.perplexity import onnx_logits, score
+    from benchmarks.llm_quality.variants import build_with_builder
+
+    label = f"onnxruntime-genai builder {precision}"
+    try:
+        built = build_with_builder(args.genai_python, folder, precision, work / f"builder-{precision}",
+                                   work / "builder-cache")
+        result = score(onnx_logits(built.path, head_dim), scored)
+    except Exception as exc:
+        return Row(label, "onnxruntime", float("nan"), 0, None, None, f"{type(exc).__name__}: {exc}"[:300])
+    return Row(label, "onnxruntime", result.nll, result.tokens, built.size, built.seconds)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train (or load), build every row, score it, write the report; 0 when the acceptance holds."""
+    from benchmarks.common.torchvision_ops import declare_torchvision_ops
+
+    declare_torchvision_ops()
+    quiet_libraries()
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.llm_quality.perplexity import eager_logits, score
+    from benchmarks.llm_quality.train import trained_lm
+    from benchmarks.llm_quality.variants import OUR_VARIANTS
+
+    start = time.perf_counter()
+    lm = trained_lm(args.cache, log=lambda line: print(line, flush=True))
+    work = args.work_dir or args.cache / "onnx" / lm.folder.name
+    work.mkdir(parents=True, exist_ok=True)
+    scored = _windows(lm.held_out_ids, args.max_tokens)
+    prompts = _calibration_prompts(lm.training_ids)
+    head_dim = int(lm.record["model"]["head_dim"])
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(lm.folder).eval()
+    fp32 = score(eager_logits(model), scored)
+    rows = [Row("fp32", "PyTorch", fp32.nll, fp32.tokens, None, None)]
+    print(f"fp32 (PyTorch): perplexity {fp32.perplexity:.4f} on {fp32.tokens} tokens", flush=True)
+    for precision in ("fp32", "int4"):
+        rows.append(_builder_row(args, lm.folder, precision, work, scored, head_dim))
+        print(_line(rows[-1]), flush=True)
+    labels = [v.label for v in OUR_VARIANTS if args.only is None or v.label in args.only]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
+        futures = [pool.submit(_our_row, lm.folder, label, prompts, scored, work / f"ours-{i}.onnx", head_dim)
+                   for i, label in enumerate(labels)]
+        for future in futures:
+            rows.append(future.result())
+            print(_line(rows[-1]), flush=True)
+    report, ok = _report(lm, rows, scored, prompts, time.perf_counter() - start)
+    write_page(args.output, report)
+    (work / "rows.json").write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+    print(f"wrote {args.output}")
+    return 0 if ok else 1
+
+
+def _line(row: Row) -> str:
+    if row.error:
+        return f"{row.label}: FAILED {row.error}"
+    return f"{row.label}: perplexity {row.perplexity:.4f} ({row.size or 0} bytes, {row.seconds or 0:.0f} s)"
+
+
+def _acceptance(rows: list[Row]) -> tuple[list[str], bool]:
+    by_label = {r.label: r for r in rows if not r.error}
+    fp32 = by_label["fp32"].perplexity
+    default = by_label.get("ours w4 (default: gptq, asym, b32)")
+    builder = by_label.get("onnxruntime-genai builder int4")
+    ours_w4 = [r for label, r in by_label.items() if label.startswith("ours w4")]
+    lines, ok = [], True
+    if default and builder:
+        holds = default.perplexity <= builder.perplexity
+        ok &= holds
+        lines.append(f"- our default w4 {default.perplexity:.4f} <= builder int4 {builder.perplexity:.4f}: "
+                     f"**{'yes' if holds else 'no'}**")
+    else:
+        ok = False
+        lines.append("- our default w4 vs builder int4: not measured (a row failed)")
+    if ours_w4:
+        best = min(ours_w4, key=lambda r: r.perplexity)
+        gap = best.perplexity / fp32 - 1
+        ok &= gap <= 0.02
+        lines.append(f"- our best w4 ({best.label}) {best.perplexity:.4f} within 2 % of fp32 {fp32:.4f}: "
+                     f"{100 * gap:+.2f} % **{'yes' if gap <= 0.02 else 'no'}**")
+    return lines, ok
+
+
+def _report(lm: Any, rows: list[Row], scored: list[torch.Tensor], prompts: list[torch.Tensor],
+            seconds: float) -> tuple[str, bool]:
+    from benchmarks.llm_quality.corpus import HELD_OUT_EVERY
+
+    record = lm.record
+    fp32 = rows[0].perplexity
+    table = ["| model | run in | perplexity | vs fp32 | file | build |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.error:
+            table.append(f"| {r.label} | {r.where} | failed: {r.error} | | | |")
+            continue
+        size = f"{r.size / 2**20:.2f} MiB" if r.size else "(weights in memory)"
+        built = f"{r.seconds:.0f} s" if r.seconds is not None else ""
+        table.append(f"| {r.label} | {r.where} | {r.perplexity:.4f} | {100 * (r.perplexity / fp32 - 1):+.2f} % | "
+                     f"{size} | {built} |")
+    acceptance, ok = _acceptance(rows)
+    settings = record["settings"]
+    text = f"""# llm_quality: held-out perplexity of a small trained LM, ours vs onnxruntime-genai's builder (issue 32)
+
+Generated by `python -m benchmarks.run llm_quality` ({time.strftime('%Y-%m-%d')}, {platform.machine()}, torch
+{torch.__version__}; {seconds / 60:.0f} min wall on a shared 2-core machine).
+
+## Model and data
+- Llama-style LM trained here: {record['parameters'] / 1e6:.2f} M parameters (hidden {record['model']['hidden_size']},
+  {record['model']['num_hidden_layers']} layers, {record['model']['num_attention_heads']} query /
+  {record['model']['num_key_value_heads']} key-value heads, MLP {record['model']['intermediate_size']}, vocab
+  {record['model']['vocab_size']} byte-level BPE trained with `tokenizers`, untied LM head).
+- Text: `pydoc_data.topics.topics` and the standard library's docstrings (read with `ast`);
+  {record['documents']['training']} training / {record['documents']['held_out']} held-out documents
+  (held out when `crc32(name) % {HELD_OUT_EVERY} == 0`); {record['training_tokens']} training tokens.
+- Training: {settings['steps']} AdamW steps of {settings['batch']} x {settings['sequence']} tokens
+  ({record['tokens_seen']} tokens seen), lr {settings['learning_rate']} with warm-up and cosine decay, seed
+  {settings['seed']}, {record['seconds']:.0f} s on {settings['threads']} thread; final training loss
+  {record['loss_curve'][-1][1]:.3f}. Cached as a `save_pretrained` folder, so reruns skip training.
+- Scored: {len(scored)} non-overlapping windows of {WINDOW} held-out tokens, each from an empty cache:
+  **{rows[0].tokens} predicted tokens** (the held-out stream has {lm.held_out_ids.numel()}). Perplexity =
+  exp(sum of -log p(next token) / predicted tokens), log-softmax in float64, the same windows for every row.
+- Calibration (ours): {len(prompts)} windows of {prompts[0].numel()} *training* tokens, each as a prefill plus
+  4 greedy decode steps (as `coreai-opt quantize --task text-generation`). The builder takes no data.
+
+## Results
+{chr(10).join(table)}
+
+File: the ONNX file and its external data. Build: quantize + export wall time (ours: prepare, calibrate, convert,
+export_onnx; the builder: its subprocess), measured with the rows built two at a time on a loaded machine: read
+them as rough.
+
+## Acceptance (issue 32)
+{chr(10).join(acceptance)}
+"""
+    return text, ok
