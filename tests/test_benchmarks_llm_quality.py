@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.llm_quality.corpus import HELD_OUT_EVERY, Document, split
-from benchmarks.llm_quality.perplexity import Score, perplexity, score, window_nll, windows
+from benchmarks.llm_quality.perplexity import Score, paired_interval, perplexity, score, window_nll, windows
 
 
 def test_window_nll_sums_minus_log_of_each_next_token_probability() -> None:
@@ -48,3 +48,13 @@ def test_the_split_holds_out_by_name_hash_whatever_the_order() -> None:
     assert len(training) + len(held) == 200 and 0 < len(held) < 200 / HELD_OUT_EVERY * 2
     assert not {d.name for d in training} & {d.name for d in held}
     assert split(docs[::-1])[1] == held[::-1]
+
+
+def test_paired_interval_is_the_perplexity_ratio_and_collapses_for_a_constant_difference() -> None:
+    reference = np.array([10.0, 20.0, 30.0, 40.0])
+    assert paired_interval(reference, reference, 9) == (1.0, 1.0, 1.0)
+    ratio, low, high = paired_interval(reference + 0.9, reference, 9)  # +0.1 nats on every predicted token
+    assert ratio == pytest.approx(math.exp(0.1), rel=1e-12)
+    assert low == pytest.approx(ratio, rel=1e-12) and high == pytest.approx(ratio, rel=1e-12)
+    ratio, low, high = paired_interval(reference + np.array([0.0, 0.0, 0.0, 3.6]), reference, 9)
+    assert ratio == pytest.approx(math.exp(0.1), rel=1e-12) and low < ratio < high  # one window carries it

@@ -21,15 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Score", "perplexity", "windows", "window_nll", "score", "onnx_logits", "eager_logits"]
+__all__ = ["Score", "perplexity", "windows", "window_nll", "score", "paired_interval", "onnx_logits", "eager_logits"]
 
 
 @dataclass(frozen=True)
 class Score:
-    """Summed negative log-likelihood (nats) over ``tokens`` predicted tokens."""
+    """Summed negative log-likelihood (nats) over ``tokens`` predicted tokens, and each window's share."""
 
     nll: float
     tokens: int
+    windows: tuple[float, ...] = ()
 
     @property
     def perplexity(self) -> float:
@@ -70,12 +71,29 @@ def window_nll(logits: np.ndarray, ids: np.ndarray) -> float:
 
 def score(logits_of: Callable[[np.ndarray], np.ndarray], batches: list[torch.Tensor]) -> Score:
     """Sum :func:`window_nll` over the windows; ``logits_of(ids (1, length)) -> (1, length, vocab)``."""
-    nll, tokens = 0.0, 0
+    per_window, tokens = [], 0
     for window in batches:
         ids = window.numpy().astype(np.int64)
-        nll += window_nll(logits_of(ids[None])[0], ids)
+        per_window.append(window_nll(logits_of(ids[None])[0], ids))
         tokens += ids.size - 1
-    return Score(nll, tokens)
+    return Score(sum(per_window), tokens, tuple(per_window))
+
+
+def paired_interval(nll: np.ndarray, reference: np.ndarray, tokens_per_window: int, rounds: int = 2000,
+                    seed: int = 0) -> tuple[float, float, float]:
+    r"""Perplexity ratio of two models on the same windows, with a 95 % paired bootstrap interval over windows.
+
+    ``ratio = exp((Σ_w nll_w − Σ_w ref_w) / N)``; the interval resamples the windows with replacement ``rounds``
+    times (both models the same windows each time) and takes the 2.5 / 97.5 percentiles of the ratio.
+    Returns ``(ratio, low, high)``.
+    """
+    difference = np.asarray(nll, np.float64) - np.asarray(reference, np.float64)
+    count = difference.size
+    generator = np.random.default_rng(seed)
+    picks = generator.integers(0, count, size=(rounds, count))
+    resampled = np.exp(difference[picks].sum(axis=1) / (count * tokens_per_window))
+    low, high = np.percentile(resampled, [2.5, 97.5])
+    return float(np.exp(difference.sum() / (count * tokens_per_window))), float(low), float(high)
 
 
 def onnx_logits(path: Path, head_dim: int, threads: int = 1) -> Callable[[np.ndarray], np.ndarray]:

@@ -46,6 +46,7 @@ def _w4(**options: object) -> Callable[[], object]:
 #: Our rows, in table order. ``w4`` alone is the preset's default (GPTQ, asymmetric, block 32, float compute).
 OUR_VARIANTS: tuple[OurVariant, ...] = (
     OurVariant("ours w8a8", lambda: _presets().w8a8()),  # type: ignore[attr-defined]
+    OurVariant("ours w8a8_dynamic", lambda: _presets().w8a8_dynamic()),  # type: ignore[attr-defined]
     OurVariant("ours w4 (default: gptq, asym, b32)", _w4()),
     OurVariant("ours w4 rtn asym", _w4(algorithm="rtn")),
     OurVariant("ours w4 rtn sym", _w4(algorithm="rtn", qscheme="symmetric")),
