@@ -186,8 +186,16 @@ def _acceptance(rows: list[Row]) -> tuple[list[str], bool]:
     if default and builder:
         holds = default.perplexity <= builder.perplexity
         ok &= holds
+        tie = ""
+        if default.window_nll and len(default.window_nll) == len(builder.window_nll):
+            from benchmarks.llm_quality.perplexity import paired_interval
+
+            _, low, high = paired_interval(np.array(default.window_nll), np.array(builder.window_nll), WINDOW - 1)
+            if low <= 1.0 <= high:
+                tie = (f" (but a tie on this text: the 95 % interval of the ratio, [{100 * (low - 1):+.3f}, "
+                       f"{100 * (high - 1):+.3f}] %, holds 0)")
         lines.append(f"- our default w4 {default.perplexity:.4f} <= builder int4 {builder.perplexity:.4f}: "
-                     f"**{'yes' if holds else 'no'}**")
+                     f"**{'yes' if holds else 'no'}**{tie}")
     else:
         ok = False
         lines.append("- our default w4 vs builder int4: not measured (a row failed)")
