@@ -14,6 +14,7 @@ Usage::
     python -m benchmarks.run sweep --chunk 0/13 --budget 600         # the architecture sweep, resumable
     python -m benchmarks.run verify clean --presets w8a8 w4          # verify_onnx on the corpus; parts: --help
     python -m benchmarks.run llm [--quick]                           # 8 decoder families x 3 presets
+    python -m benchmarks.run llm_quality                             # perplexity of a trained LM vs the genai builder
     python -m benchmarks.run NAME --help                             # a study's options
 
 Each study lives in ``benchmarks/<NAME>/`` and writes one results file there, ``benchmarks/<NAME>/RESULTS.md``
@@ -27,7 +28,20 @@ import argparse
 import shlex
 import sys
 
-from benchmarks import audit, auto, comparison, corpus, demo, llm, matmul_nbits, memory, minilm, sweep, verify
+from benchmarks import (
+    audit,
+    auto,
+    comparison,
+    corpus,
+    demo,
+    llm,
+    llm_quality,
+    matmul_nbits,
+    memory,
+    minilm,
+    sweep,
+    verify,
+)
 from benchmarks.common.study import Study
 
 __all__ = ["STUDIES", "main", "study_list", "unknown_study_message"]
@@ -45,6 +59,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     verify.STUDY,
     llm.STUDY,
     audit.STUDY,
+    llm_quality.STUDY,
 )}
 
 

@@ -173,3 +173,28 @@ def test_inserted_dynamic_quantizers_feed_linear_layers_only():
     call = out_proj.args[0]
     assert call in dynamic and get_meta(call.args[0]).kind is OpKind.MOVE
     assert get_meta(call.args[0].args[0]).kind is OpKind.MOVE  # transpose, read as float
+
+
+def test_tensors_computed_from_integer_positions_stay_float_so_longer_inputs_are_not_clipped():
+    """A Llama decoder's rotary angles (``position_ids · inv_freq``) and their cos / sin get no quantizer: a range
+    calibrated on prompts of length T would clamp every later position to T (benchmarks/llm_quality: w8a8 held-out
+    perplexity +16.7 % of fp32 with those quantizers, +0.03 % without)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import coreai_opt as co
+    from coreai_opt.graph.kv_cache_decoder import DecoderWithCache
+    from coreai_opt.passes.annotate import integer_input_derived
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    decoder = DecoderWithCache(LlamaForCausalLM(config).eval()).eval()
+    prepared = co.prepare(decoder, W8A8(), decoder.example_inputs(), capture="export",
+                          dynamic_shapes=decoder.capture_dynamic_shapes())
+    derived = integer_input_derived(prepared)
+    float_ops = {n.target for n in derived if n.op == "call_function"}
+    assert {torch.ops.aten.cos.default, torch.ops.aten.sin.default, torch.ops.aten.cat.default} <= float_ops
+    reasons = [get_meta(n).float_reason for n in derived if get_meta(n).float_reason]
+    assert len(reasons) >= 3 and all("computed from integer inputs (positions, masks)" in r for r in reasons)
+    assert [n.args[0].name for n in prepared.graph.nodes if n.op == "call_module" and n.args[0] in derived] == []
+    embedding_quantizers = [n for n in prepared.graph.nodes if n.op == "call_module" and "embed_tokens" in n.target]
+    assert embedding_quantizers  # the token embedding (a lookup by integer ids) is data, still quantized
