@@ -12,6 +12,7 @@ Usage::
     python -m benchmarks.run memory --sizes 0.2 --presets w8a8 w4
     python -m benchmarks.run demo --ulps 64 --runs 8                 # the demo table under emulated kernels
     python -m benchmarks.run sweep --chunk 0/13 --budget 600         # the architecture sweep, resumable
+    python -m benchmarks.run llm_speed --rounds 20 --profile          # w4 KV-cache decoder vs genai's builder
     python -m benchmarks.run NAME --help                             # a study's options
 
 Each study lives in ``benchmarks/<NAME>/`` and writes one results file there, ``benchmarks/<NAME>/RESULTS.md``
@@ -25,7 +26,7 @@ import argparse
 import shlex
 import sys
 
-from benchmarks import auto, comparison, corpus, demo, matmul_nbits, memory, minilm, sweep
+from benchmarks import auto, comparison, corpus, demo, llm_speed, matmul_nbits, memory, minilm, sweep
 from benchmarks.common.study import Study
 
 __all__ = ["STUDIES", "main", "study_list", "unknown_study_message"]
@@ -40,6 +41,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     memory.STUDY,
     demo.STUDY,
     sweep.STUDY,
+    llm_speed.STUDY,
 )}
 
 
