@@ -177,4 +177,5 @@ def test_a_rule_that_rewrote_imports_the_domains_it_declares_once_and_one_that_d
 
 def test_the_contrib_writing_post_passes_declare_the_contrib_domain_and_no_other_rule_declares_one() -> None:
     assert {rule.name: dict(rule.domains) for rule in POST_PASSES if rule.domains} == {
-        "write_matmul_nbits": {CONTRIB_DOMAIN: 1}, "gather_block_quantized_rows": {CONTRIB_DOMAIN: 1}}
+        "write_matmul_nbits": {CONTRIB_DOMAIN: 1}, "gather_block_quantized_rows": {CONTRIB_DOMAIN: 1},
+        "rms_norms_to_simplified_layer_norm": {CONTRIB_DOMAIN: 1}}
