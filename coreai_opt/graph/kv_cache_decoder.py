@@ -175,12 +175,25 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     """Transformers' attention-function contract: ``softmax(q k^T * scaling + mask) v``, heads then tokens swapped.
 
     Unlike transformers' "sdpa" it has no branch on the query length (decode's one token vs prefill), so one
-    captured graph serves both; grouped-query heads go to SDPA's ``enable_gqa``.
+    captured graph serves both. Grouped-query heads (``G = heads / kv_heads`` query heads per key / value head,
+    head ``h = j G + g`` reading key head ``j``) are folded into the query axis instead of repeating the keys and
+    values: ``q`` ``(B, H, S, D)`` is read as ``(B, H_kv, G S, D)`` and the mask's query axis repeated ``G`` times.
+    Every score is the same dot product, but no step copies the whole cache ``G`` times (SDPA's ``enable_gqa``
+    exports as ``Expand`` + ``Reshape`` of the keys and values, work that grows with the past length).
     """
-    groups = query.shape[1] // key.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                                           enable_gqa=groups > 1)
-    return out.transpose(1, 2).contiguous(), None
+    batch, heads, sequence, width = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if groups > 1:
+        query = query.reshape(batch, kv_heads, groups * sequence, width)
+        if attention_mask is not None and attention_mask.shape[1] == 1:
+            total = attention_mask.shape[-1]
+            attention_mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
+                attention_mask.shape[0], 1, groups * sequence, total)
+        elif attention_mask is not None:
+            attention_mask = attention_mask.reshape(attention_mask.shape[0], kv_heads, groups * sequence, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, sequence, width).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
