@@ -15,6 +15,7 @@ Usage::
     python -m benchmarks.run verify clean --presets w8a8 w4          # verify_onnx on the corpus; parts: --help
     python -m benchmarks.run llm [--quick]                           # 8 decoder families x 3 presets
     python -m benchmarks.run llm_quality                             # perplexity of a trained LM vs the genai builder
+    python -m benchmarks.run llm_speed --rounds 20 --profile          # w4 KV-cache decoder vs genai's builder
     python -m benchmarks.run NAME --help                             # a study's options
 
 Each study lives in ``benchmarks/<NAME>/`` and writes one results file there, ``benchmarks/<NAME>/RESULTS.md``
@@ -36,6 +37,7 @@ from benchmarks import (
     demo,
     llm,
     llm_quality,
+    llm_speed,
     matmul_nbits,
     memory,
     minilm,
@@ -60,6 +62,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     llm.STUDY,
     audit.STUDY,
     llm_quality.STUDY,
+    llm_speed.STUDY,
 )}
 
 

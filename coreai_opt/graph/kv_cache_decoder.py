@@ -184,14 +184,18 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     r"""Transformers' attention-function contract: ``softmax(q k^T * scaling + mask) v``, heads then tokens swapped.
 
     Unlike transformers' "sdpa" it has no branch on the query length (decode's one token vs prefill), so one
-    captured graph serves both; grouped-query heads go to SDPA's ``enable_gqa``. Two per-layer options of the
-    contract are applied here, since the wrapper hands the model one ready-made mask for every layer:
+    captured graph serves both. Grouped-query heads (``G = heads / kv_heads`` query heads per key / value head,
+    head ``h = j G + g`` reading key head ``j``) are folded into the query axis instead of repeating the keys and
+    values: ``q`` ``(B, H, S, D)`` is read as ``(B, H_kv, G S, D)`` and the mask's query axis repeated ``G`` times.
+    Every score is the same dot product, but no step copies the whole cache ``G`` times (SDPA's ``enable_gqa``
+    exports as ``Expand`` + ``Reshape`` of the keys and values, work that grows with the past length). Two per-layer
+    options of the contract are applied here, since the wrapper hands the model one ready-made mask for every layer:
 
     * ``sliding_window`` :math:`W` (Mistral, Qwen2, Phi-3, Gemma2's local layers): with :math:`S` queries over
       :math:`T` keys, query :math:`i` sits at position :math:`T - S + i` and sees key :math:`j` only when
       :math:`j > T - S + i - W` (transformers' ``sliding_window_overlay``), on top of ``attention_mask``.
     * ``softcap`` :math:`c` (Gemma2): the logits :math:`s = q k^\top \cdot` ``scaling`` become
-      :math:`c \tanh(s / c)` before the mask and softmax.
+      :math:`c \tanh(s / c)` before the mask and softmax (keys and values repeated per query head there).
 
     Raises:
         CoreaiOptValueError: The model passes an option of :data:`UNSUPPORTED_ATTENTION_ARGUMENTS`.
@@ -203,18 +207,26 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
             "decoder export does not implement; export this model without task='text-generation'")
     if sliding_window is not None and attention_mask is not None:
         attention_mask = attention_mask & _window(query.shape[2], key.shape[2], int(sliding_window), query.device)
-    groups = query.shape[1] // key.shape[1]
-    if softcap is None:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                               scale=scaling, enable_gqa=groups > 1)
-    else:
+    batch, heads, sequence, width = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if softcap is not None:
         if groups > 1:
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        scale = width ** -0.5 if scaling is None else scaling
         logits = torch.matmul(query, key.transpose(-2, -1)) * scale
         capped = torch.tanh(logits / softcap) * softcap
-        out = torch.matmul(masked_softmax(capped, 1.0, attention_mask), value)
-    return out.transpose(1, 2).contiguous(), None
+        return torch.matmul(masked_softmax(capped, 1.0, attention_mask), value).transpose(1, 2).contiguous(), None
+    if groups > 1:
+        query = query.reshape(batch, kv_heads, groups * sequence, width)
+        if attention_mask is not None and attention_mask.shape[1] == 1:
+            total = attention_mask.shape[-1]
+            attention_mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(
+                attention_mask.shape[0], 1, groups * sequence, total)
+        elif attention_mask is not None:
+            attention_mask = attention_mask.reshape(attention_mask.shape[0], kv_heads, groups * sequence, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, sequence, width).transpose(1, 2).contiguous(), None
 
 
 def _window(sequence: int, total: int, window: int, device: torch.device) -> torch.Tensor:

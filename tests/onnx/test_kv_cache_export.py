@@ -66,6 +66,42 @@ def test_causal_mask_sees_the_past_and_earlier_new_tokens_but_no_padding():
     assert mask[0, 0].int().tolist() == [[0, 1, 1, 1, 0], [0, 1, 1, 1, 1]]
 
 
+@pytest.mark.parametrize(("sequence", "past"), [(5, 0), (1, 7), (3, 4)])
+def test_grouped_query_attention_folded_into_the_query_axis_equals_sdpa_repeating_the_keys(sequence, past):
+    from coreai_opt.graph.kv_cache_decoder import _attention
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, sequence, 16, generator=generator)
+    k, v = (torch.randn(2, 4, sequence + past, 16, generator=generator) for _ in range(2))
+    attention_mask = torch.ones(2, sequence + past, dtype=torch.int64)
+    attention_mask[1, 0] = 0  # a padded position in the second row
+    mask = causal_mask(attention_mask, sequence)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25,
+                                                                enable_gqa=True).transpose(1, 2)
+    for given in (mask, mask.expand(2, 8, sequence, sequence + past)):  # one mask for all heads, or per head
+        out, _ = _attention(torch.nn.Module(), q, k, v, given, scaling=0.25)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)  # same dot products, other kernel blocking
+
+
+def test_the_decoder_file_never_repeats_the_cache_per_query_group(exported):
+    """No Expand / Tile reads a present key or value (directly or through an Unsqueeze / Reshape)."""
+    import onnx
+
+    _, _, _, path = exported
+    graph = onnx.load(str(path)).graph
+    producer = {out: node for node in graph.node for out in node.output}
+
+    def from_cache(name: str, depth: int = 3) -> bool:
+        node = producer.get(name)
+        if name.startswith(("present.", "past_key_values.")):
+            return True
+        return depth > 0 and node is not None and node.op_type in ("Unsqueeze", "Reshape", "Transpose") and \
+            from_cache(node.input[0], depth - 1)
+
+    repeats = [n.name for n in graph.node if n.op_type in ("Expand", "Tile") and from_cache(n.input[0])]
+    assert repeats == []
+
+
 def test_wrapping_and_running_leave_the_users_model_as_it_was(llama):
     """The wrapper's attention function serves its own calls only: the model's config and outputs are unchanged."""
     ids = _prompts(llama)[0].reshape(1, -1)

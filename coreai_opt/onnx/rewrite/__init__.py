@@ -13,19 +13,23 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 5. ``gather_block_quantized_rows``: ``DQ(per-block table) -> Gather`` -> ``GatherBlockQuantized`` (rows only;
    a table a ``MatMulNBits`` already stores is read from there).
 6. ``gather_quantized_rows``: ``DQ(table) -> Gather`` -> ``Gather -> DQ`` (dequantize only the rows read).
-7. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
-8. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
-9. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
-10. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
-11. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
-12. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
+7. ``fuse_shared_input_matmul_nbits``: ``MatMulNBits`` readers of one input (q / k / v, gate / up) -> one
+   ``MatMulNBits`` over the stacked weights + ``Split`` (bit-identical outputs).
+8. ``rms_norms_to_simplified_layer_norm``: ``w · x · rsqrt(mean(x²) + ε)`` as elementwise ops ->
+   ``SimplifiedLayerNormalization`` (onnxruntime folds it with the residual ``Add`` into the skip variant).
+9. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
+10. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
+11. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
+12. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
+13. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
+14. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
     ``ReduceSum`` (OpenVINO folds that dequantization into the sum wrongly; onnxruntime stays bit-exact).
-13. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
+15. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
     (TF-style "same" padding; onnxruntime fuses neither the pad nor the requantization around it).
-14. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-15. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-16. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
-17. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+16. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+17. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+18. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+19. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
     ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
@@ -53,6 +57,7 @@ from coreai_opt.onnx.rewrite.rules.fold_constant_activations import FoldConstant
 from coreai_opt.onnx.rewrite.rules.fold_pads_into_convs import FoldPadsIntoConvs
 from coreai_opt.onnx.rewrite.rules.fold_quantized_weights import FoldQuantizedWeights
 from coreai_opt.onnx.rewrite.rules.fold_weight_transposes import FoldWeightTransposes
+from coreai_opt.onnx.rewrite.rules.fuse_shared_input_matmul_nbits import FuseSharedInputMatMulNBits
 from coreai_opt.onnx.rewrite.rules.gather_block_quantized_rows import GatherBlockQuantizedRows
 from coreai_opt.onnx.rewrite.rules.gather_quantized_rows import GatherQuantizedRows
 from coreai_opt.onnx.rewrite.rules.guard_4bit_activations import GuardFourBitActivations
@@ -61,6 +66,7 @@ from coreai_opt.onnx.rewrite.rules.guard_quantized_sums import GuardQuantizedSum
 from coreai_opt.onnx.rewrite.rules.linears_to_gemm import LinearsToGemm
 from coreai_opt.onnx.rewrite.rules.means_to_global_average_pool import MeansToGlobalAveragePool
 from coreai_opt.onnx.rewrite.rules.means_to_sum_and_divide import MeansToSumAndDivide
+from coreai_opt.onnx.rewrite.rules.rms_norms_to_simplified_layer_norm import RmsNormsToSimplifiedLayerNorm
 from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import WriteMatMulNBits
 
 __all__ = ["POST_PASSES", "apply", "Rule", "Match", "Fail", "OnnxGraph", "RewriteReport", "read_report",
@@ -74,6 +80,8 @@ POST_PASSES: tuple[Rule, ...] = (
     WriteMatMulNBits(),
     GatherBlockQuantizedRows(),
     GatherQuantizedRows(),
+    FuseSharedInputMatMulNBits(),
+    RmsNormsToSimplifiedLayerNorm(),
     FoldConstantActivations(),
     LinearsToGemm(),
     CollapseReshapes(),

@@ -100,7 +100,7 @@ KERNELS: dict[tuple[str, str], KernelNumerics] = {
         *_entries("com.microsoft.nchwc", Status.EXACT, False, _MOVES, "MaxPool", "GlobalMaxPool", "Upsample"),
         *_entries("", Status.PINNED, False, _FLOAT_ORDER, "Conv", "ConvTranspose", "Gemm", "MatMul", "ReduceMean",
                   "ReduceSum", "GlobalAveragePool", "AveragePool", "LayerNormalization", "GroupNormalization",
-                  "InstanceNormalization", "BatchNormalization", "Resize", "Einsum"),
+                  "InstanceNormalization", "BatchNormalization", "Resize", "Einsum", "SimplifiedLayerNormalization"),
         *_entries("", Status.PINNED, False, _TRANSCENDENTAL, "Softmax", "LogSoftmax", "Gelu", "Erf", "Tanh",
                   "Sigmoid", "HardSigmoid", "HardSwish", "Exp", "Log", "Pow", "Elu", "LeakyRelu", "Softplus"),
         *_entries("com.microsoft", Status.PINNED, False, _FLOAT_ORDER, "FusedConv", "FusedGemm", "FusedMatMul",

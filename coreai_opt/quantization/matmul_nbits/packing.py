@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PackedMatMulNBits", "pack_matmul_nbits", "unpack_matmul_nbits"]
+__all__ = ["PackedMatMulNBits", "midpoint_zero_points", "pack_matmul_nbits", "unpack_matmul_nbits"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,18 @@ class PackedMatMulNBits:
 def _pack_nibbles(values: np.ndarray) -> np.ndarray:
     """Pack unsigned 4-bit values along the last axis (even length), low nibble first."""
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def midpoint_zero_points(n: int, blocks: int, bits: int) -> np.ndarray:
+    """The packed zero points ``MatMulNBits`` assumes when its ``zero_points`` input is absent: ``2^(bits-1)``.
+
+    ``[N · blocks]`` bytes for 8 bits; ``[N · ceil(blocks / 2)]`` for 4 bits, low nibble first and a row's odd last
+    block padded with a zero nibble (the layout :func:`pack_matmul_nbits` writes).
+    """
+    zp = np.full((n, blocks), 1 << (bits - 1), np.uint8)
+    if bits == 8:
+        return zp.reshape(-1)
+    return _pack_nibbles(np.concatenate([zp, np.zeros((n, blocks % 2), np.uint8)], axis=1)).reshape(-1)
 
 
 def pack_matmul_nbits(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, bits: int, signed: bool,
