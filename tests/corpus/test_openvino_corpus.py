@@ -2,7 +2,7 @@
 
 Each (model, preset) cell must compile in OpenVINO, verify ok against the tolerance derived from onnxruntime's
 kernels and keep top-1 agreement with eager >= 99.9 % outside near ties (issue 15). Same sizes and seeds as the
-corpus runner (benchmarks/corpus_runner.py: 4 calibration batches of 4, 2 evaluation batches of 8). Marker
+corpus runner (benchmarks/corpus/runner.py: 4 calibration batches of 4, 2 evaluation batches of 8). Marker
 ``corpus`` (each cell builds and exports a transformer: tens of seconds).
 
 Measured (16 inputs; steps / derived bound, top-1): hf-bert w8a8 0 / 31, w8a8_sym 0 / 35, w8a16 5.27 / 29,
@@ -12,15 +12,13 @@ w4a8 1 / 28, w8a8_dynamic 1.9e-8 (0.0023); every cell compiles and agrees 100 %.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 import coreai_opt
 from benchmarks.corpus.models import CORPUS
-from benchmarks.corpus.runner import RunOptions
+from benchmarks.verify.corpus_verify import export_corpus_model
 
 pytest.importorskip("openvino")
 
@@ -34,20 +32,8 @@ PRESETS = ("w8a8", "w8a8_sym", "w8a16", "w4a8", "w8a8_dynamic")
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("name", MODELS)
 def test_bert_style_corpus_model_agrees_with_eager_in_openvino(name: str, preset: str, tmp_path: Path) -> None:
-    entry, options = CORPUS[name], RunOptions()
-    torch.manual_seed(options.seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = entry.build().eval()
-        gen = torch.Generator().manual_seed(options.seed + 1)
-        calib = [entry.inputs(gen, options.calib_batch) for _ in range(options.calib_batches)]
-        evals = [entry.inputs(gen, options.eval_batch) for _ in range(options.eval_batches)]
-        prepared = coreai_opt.prepare(model, getattr(coreai_opt.QuantizerConfig.presets, preset)(), calib[0])
-        coreai_opt.calibrate(prepared, calib, progress=False)
-        converted = coreai_opt.convert(prepared)
-        path = coreai_opt.export_onnx(converted, calib[0], tmp_path / f"{name}_{preset}.onnx",
-                                      input_names=list(entry.input_names))
-        report = coreai_opt.verify_onnx(converted, path, evals, runtime="openvino")
+    export = export_corpus_model(CORPUS[name], preset, tmp_path)
+    report = coreai_opt.verify_onnx(export.model, export.path, export.batches, runtime="openvino")
     print(f"\n{report}")
     assert report.runtime == "openvino"
     for output in report.outputs:
