@@ -65,13 +65,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-import torch
 from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.activation_ranges import edge_request_spec, fixed_range_spec
 from coreai_opt.graph.float_only_ops import float_only_reason
-from coreai_opt.graph.graph_attrs import get_attr_value, node_shape
+from coreai_opt.graph.graph_attrs import node_shape
 from coreai_opt.graph.identity_ops import skip_identities
+from coreai_opt.graph.integer_inputs import integer_input_derived, is_float_tensor
 from coreai_opt.graph.node_meta import (
     Annotation,
     DerivedSpec,
@@ -81,14 +81,13 @@ from coreai_opt.graph.node_meta import (
     SharedSpec,
     get_meta,
     set_meta,
-    tensor_info,
 )
-from coreai_opt.graph.op_kinds import MOVER_KINDS, WEIGHTED_KINDS, ArgLayout, OpKind, lookup_op
+from coreai_opt.graph.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
 from coreai_opt.graph.shape_queries import value_users
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, PerBlock, PerChannel, QuantizationSpec
 
-__all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate", "integer_input_derived", "Resolver"]
+__all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate", "Resolver"]
 
 
 class _Resolved(NamedTuple):
@@ -148,16 +147,6 @@ def _weight_axes(pattern: _Pattern, layout: ArgLayout) -> dict[int, int] | None:
     return dict(layout.weight_axes) if layout.weight_axes else pattern.weight_axes
 
 
-def _is_float_tensor(node: object, gm: GraphModule) -> bool:
-    if not isinstance(node, Node):
-        return False
-    if node.op == "get_attr":
-        value = get_attr_value(node, gm)
-        return isinstance(value, torch.Tensor) and value.is_floating_point()
-    info = tensor_info(node)
-    return info is not None and info[1].is_floating_point
-
-
 def _data_args(node: Node, layout: ArgLayout) -> list[Node]:
     out: list[Node] = []
     for ref in layout.data:
@@ -177,40 +166,6 @@ def _map_weight_spec(spec: QuantizationSpec, axes: dict[int, int], shape: tuple[
     real = real % len(shape) if -len(shape) <= real < len(shape) else real
     mapped = PerChannel(real) if isinstance(g, PerChannel) else PerBlock(real, g.block_size)
     return spec.model_copy(update={"granularity": mapped})
-
-
-def _input_nodes(node: Node) -> list[Node]:
-    found: list[Node] = []
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
-    return found
-
-
-def integer_input_derived(gm: GraphModule) -> set[Node]:
-    """Nodes computed from the integer graph inputs (token positions, masks) and constants only.
-
-    One forward walk with three states: an integer placeholder (``position_ids``, ``attention_mask``) is
-    *derived*, a float placeholder is *data*, parameters / constants and non-tensor values (sizes) are *neutral*.
-    A node with a data input is data; a weighted op (an embedding lookup, a linear) makes data of what it reads;
-    otherwise a tensor with a derived input is derived. A rotary embedding's angles ``position · inv_freq`` are
-    derived: their range grows with the position, so a range calibrated on prompts of length ``T`` clips every
-    position past ``T``
-    (measured: a Llama-style decoder calibrated on 132 positions scored +0.3 to +0.43 nats per token beyond them
-    in w8a8, +0.002 before).
-    """
-    derived: set[Node] = set()
-    data: set[Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            (data if _is_float_tensor(node, gm) else derived).add(node)
-            continue
-        if node.op in ("get_attr", "output") or tensor_info(node) is None:
-            continue  # sizes (``tokens.shape[1]``) are neutral: a parameter sliced to the length is data
-        inputs = _input_nodes(node)
-        if any(n in data for n in inputs) or get_meta(node).kind in WEIGHTED_KINDS:
-            data.add(node)
-        elif any(n in derived for n in inputs):
-            derived.add(node)
-    return derived
 
 
 def _label(node: Node) -> str:
@@ -263,7 +218,7 @@ class _Matcher:
         if node in self.fused:
             return Annotation(output=self.fused[node]), None
         pattern = PATTERNS.get(meta.kind)
-        produces_float = _is_float_tensor(node, self.gm)
+        produces_float = is_float_tensor(node, self.gm)
         if node in self.integer_derived:
             reason = (f"{_label(node)} output left float: computed from integer inputs (positions, masks) only, "
                       "its range grows with the sequence and a calibrated range would clip longer inputs"
@@ -276,10 +231,10 @@ class _Matcher:
             return None, reason
         layout = lookup_op(node, self.gm).layout
         data = [a for a in _data_args(node, layout)
-                if _is_float_tensor(a, self.gm) and a not in self.integer_derived]
+                if is_float_tensor(a, self.gm) and a not in self.integer_derived]
         if pattern.output == "share":
             source = node.args[0] if node.args else None
-            if isinstance(source, Node) and (_is_float_tensor(source, self.gm) or get_meta(source).kind is OpKind.MOVE):
+            if isinstance(source, Node) and (is_float_tensor(source, self.gm) or get_meta(source).kind is OpKind.MOVE):
                 return Annotation(output=SharedSpec(source)), None
             return None, None
         label = _label(node)

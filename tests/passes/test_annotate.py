@@ -182,8 +182,8 @@ def test_tensors_computed_from_integer_positions_stay_float_so_longer_inputs_are
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import coreai_opt as co
+    from coreai_opt.graph.integer_inputs import integer_input_derived
     from coreai_opt.graph.kv_cache_decoder import DecoderWithCache
-    from coreai_opt.passes.annotate import integer_input_derived
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)

@@ -67,7 +67,10 @@ def test_w8a8_linears_on_3d_inputs_export_as_gemm_and_run_as_qgemm_bit_exact(tmp
     report = verify_onnx(converted, path, [torch.randn(b, 12, 32) for b in (1, 3, 7)])
     print(report)
     assert report.fusion.integer_compute == {"QGemm": 3} and not report.fusion.float_compute
-    assert report.outputs[0].max_diff_steps == 0.0, str(report)
+    # every quantizer's codes are identical; the mean over the sequence after the head is a float reduction
+    # (no integer kernel: it asks no quantizer of its own), so the output differs only by float summation order
+    assert report.quantizers and all(q.identical == 1.0 for q in report.quantizers), str(report)
+    assert report.ok and report.outputs[0].max_abs_diff <= 1e-6, str(report)
 
 
 def test_linears_keep_matmul_where_onnxruntime_fuses_matmul(tmp_path: Path) -> None:
