@@ -11,7 +11,8 @@
 * ``fp8``: float8_e4m3fn symmetric weights (per-channel, axis 0) and activations (per-tensor).
 * ``w8a8_dynamic``: linears only: int8 per-channel weights + uint8 per-tensor activations whose qparams are
   computed from every tensor at run time (ONNX ``DynamicQuantizeLinear``); no calibration data needed. Not in
-  ``names()`` (a transformer preset reached as ``QuantizerConfig.presets.w8a8_dynamic()``).
+  ``names()`` (the calibrated presets every model takes, which the zoo sweeps) but in ``all_names()`` (every preset
+  ``get`` and the CLI's ``--preset`` accept).
 
 ``describe()`` returns this list as (name, weight summary, activation summary) rows, computed from the
 presets themselves.
@@ -57,6 +58,7 @@ __all__ = [
     "ACTIVATION_RANGES",
     "PresetInfo",
     "Presets",
+    "all_names",
     "describe",
     "fp8",
     "get",
@@ -322,11 +324,22 @@ _PRESETS: dict[str, Callable[..., QuantizerConfig]] = {
     "fp8": fp8,
 }
 
+#: Presets outside ``names()``: per-op-kind configs that need no calibration (transformer linears only).
+_DYNAMIC_PRESETS: dict[str, Callable[..., QuantizerConfig]] = {
+    "w8a8_dynamic": w8a8_dynamic,
+}
+
 
 @public_api
 def names() -> tuple[str, ...]:
-    """Return the preset names in table order."""
+    """Return the calibrated preset names in table order (the set every model takes; no ``w8a8_dynamic``)."""
     return tuple(_PRESETS)
+
+
+@public_api
+def all_names() -> tuple[str, ...]:
+    """Return every preset name :func:`get` accepts: ``names()`` then the dynamic presets (``w8a8_dynamic``)."""
+    return (*_PRESETS, *_DYNAMIC_PRESETS)
 
 
 @public_api
@@ -336,9 +349,10 @@ def get(name: str) -> Callable[..., QuantizerConfig]:
     Raises:
         ValueError: Unknown name; the message lists the valid names.
     """
-    if name not in _PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(_PRESETS)}")
-    return _PRESETS[name]
+    factories = {**_PRESETS, **_DYNAMIC_PRESETS}
+    if name not in factories:
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(factories)}")
+    return factories[name]
 
 
 def _granularity_summary(spec: QuantizationSpec) -> str:
@@ -382,6 +396,7 @@ class Presets:
     fp8 = staticmethod(fp8)
     w8a8_dynamic = staticmethod(w8a8_dynamic)
     names = staticmethod(names)
+    all_names = staticmethod(all_names)
     get = staticmethod(get)
     describe = staticmethod(describe)
 

@@ -137,7 +137,8 @@ def test_presets_get_returns_factory():
 
 def test_presets_get_unknown_name_lists_valid_names():
     with pytest.raises(
-        ValueError, match=r"unknown preset 'int8'; valid presets: w8, w4, w8a8, w8a8_sym, w4a8, w8a16, fp8"
+        ValueError,
+        match=r"unknown preset 'int8'; valid presets: w8, w4, w8a8, w8a8_sym, w4a8, w8a16, fp8, w8a8_dynamic",
     ):
         QuantizerConfig.presets.get("int8")
 
@@ -145,6 +146,11 @@ def test_presets_get_unknown_name_lists_valid_names():
 def test_from_preset_unknown_name_lists_valid_names():
     with pytest.raises(ValueError, match=r"'W8A8'.*w8a8_sym"):
         QuantizerConfig.from_preset("W8A8")
+
+
+def test_all_names_add_w8a8_dynamic_and_get_builds_it():
+    assert QuantizerConfig.presets.all_names() == (*QuantizerConfig.presets.names(), "w8a8_dynamic")
+    assert QuantizerConfig.from_preset("w8a8_dynamic") == QuantizerConfig.presets.w8a8_dynamic()
 
 
 def test_from_preset_equals_calling_the_factory():

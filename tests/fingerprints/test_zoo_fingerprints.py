@@ -6,7 +6,13 @@ The 21 activation-quantizing cases (w8a8, w8a8_sym, w4a8, w8a16, fp8; w8a8 with 
 their ``truediv`` / ``mul`` by a number and their non-spatial ``mean`` lost their own quantizers,
 so their quantizer lists and graphs changed. The other cases were kept: weight-only and dynamic presets annotate
 no elementwise op or mean, and annotating every zoo model under w8a8 found these ops only in those three models.
-``zoo_fingerprints.json`` was last re-recorded (Dec 5) after three changes on purpose, with the quantizers of all
+``zoo_fingerprints.json`` was last re-recorded (Dec 5, issue 32) when ``write_matmul_nbits`` began to write
+weight-only ``Gemm`` linears (the 2-D ``nn.Linear`` heads, GPT-2's ``Conv1D``) as ``MatMulNBits``: only the 21 w4 /
+w8 / w8a16 cases were recorded again, their quantizers and eager outputs unchanged; the w8 and w8a16 graphs and
+stored values changed (their ``DequantizeLinear + Gemm`` heads are ``MatMulNBits + Add`` now), the w4 graphs did not
+(their heads' int4 block sizes have no ``MatMulNBits`` form), only the rewrite report in the model metadata, which
+now lists those Gemms as near misses with the reason (e.g. ``"block size 8 is not a power of two >= 16"``).
+Before that it was re-recorded (Dec 5) after three changes on purpose, with the quantizers of all
 68 cases unchanged: the files no longer carry the exporter's ``pkg.torch.export.*`` graph metadata and the export
 no longer lifts the calculators' calibration buffers (structure and file sha256 of every case change, graph nodes
 and values do not), the post-pass rules ``fuse_shared_input_matmul_nbits`` and

@@ -62,12 +62,14 @@ def _ort(path: Path, x: torch.Tensor) -> np.ndarray:
 def test_weight_only_linear_is_written_as_float_matmul_nbits_and_equals_eager(preset: str, options: dict, bits: int,
                                                                               block: int, tmp_path: Path) -> None:
     model, path, x = _export(preset, tmp_path, **options)
-    (node,) = _nbits(path)  # the 3-D linear; the 2-D one stays a float Gemm (onnxruntime does not fuse it)
+    nodes = _nbits(path)  # the 3-D linear (MatMul) and the 2-D one (Gemm, transB = 1)
+    assert len(nodes) == 2 and all({a.name: a.i for a in n.attribute}["accuracy_level"] == 1 for n in nodes)
+    (node,) = [n for n in nodes if {a.name: a.i for a in n.attribute}["K"] == 96]
     attrs = {a.name: a.i for a in node.attribute}
     assert (attrs["accuracy_level"], attrs["bits"], attrs["block_size"], attrs["K"], attrs["N"]) == (1, bits, block,
                                                                                                      96, 64)
     assert not node.name.endswith(INT8_EMULATED_SUFFIX)
-    assert "MatMul" not in {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert not {"MatMul", "Gemm"} & {n.op_type for n in onnx.load(str(path)).graph.node}
     eager = model(x).detach().numpy()
     assert np.abs(_ort(path, x) - eager).max() <= 1e-5 * (eager.max() - eager.min())
     assert verify_onnx(model, path, x).ok
@@ -176,3 +178,57 @@ def test_an_int8_compute_linear_that_cannot_be_written_fails_the_export_naming_i
     with pytest.raises(UnconsumedInt8ComputeError, match=r"mm \(MatMul\): block size 8 is not a power of two"):
         write_matmul_nbits(_dq_matmul_model(8, marker=True))
     assert write_matmul_nbits(_dq_matmul_model(32, marker=True))[0] == 1
+
+
+class _Conv1D(nn.Module):
+    """GPT-2's ``Conv1D``: weight stored ``[in, out]``, computed as ``addmm(b, x, W)`` (exported as a ``Gemm``)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(in_features, out_features) * 0.1)
+        self.bias = nn.Parameter(torch.randn(out_features) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return flat.view(*x.shape[:-1], self.weight.shape[1])
+
+
+def test_weight_only_conv1d_addmm_is_written_as_matmul_nbits_and_equals_eager(tmp_path: Path) -> None:
+    # Before: DequantizeLinear + Gemm, which onnxruntime fuses differently from eager (a Conv1D + Linear model: max
+    # |diff| 1.1e-3 against an allowed 5.6e-5; now 3e-8).
+    torch.manual_seed(0)
+    model = nn.Sequential(_Conv1D(64, 48), nn.ReLU(), _Conv1D(48, 32)).eval()
+    x = torch.randn(2, 5, 64)
+    prepared = coreai_opt.prepare(model, QuantizerConfig.presets.w4(block_size=16, algorithm="rtn"), (x,))
+    coreai_opt.calibrate(prepared, [(x,)], progress=False)
+    converted = coreai_opt.convert(prepared)
+    path = export_onnx(converted, (x,), tmp_path / "conv1d.onnx")
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops.count("MatMulNBits") == 2 and not {"Gemm", "DequantizeLinear"} & set(ops)
+    shapes = sorted(tuple(a.i for a in n.attribute if a.name in ("K", "N")) for n in _nbits(path))
+    assert shapes == [(48, 32), (64, 48)]
+    test = torch.randn(3, 7, 64)
+    eager = converted(test).detach().numpy()
+    assert np.abs(_ort(path, test) - eager).max() <= 1e-5 * (eager.max() - eager.min())
+    assert verify_onnx(converted, path, test).ok
+
+
+def test_gemm_with_weight_in_out_layout_and_bias_becomes_matmul_nbits_plus_add_equal_to_the_dq_gemm() -> None:
+    rng = np.random.default_rng(0)
+    k, n, block = 64, 16, 32
+    q = rng.integers(-8, 8, size=(k, n)).astype(np.int8)
+    nodes = [helper.make_node("DequantizeLinear", ["w_q", "w_s"], ["w"], axis=0, block_size=block),
+             helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm")]
+    inits = [helper.make_tensor("w_q", TensorProto.INT4, [k, n], q.reshape(-1).tolist()),
+             numpy_helper.from_array((rng.random((k // block, n)) * 0.1 + 0.01).astype(np.float32), "w_s"),
+             numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"],
+                                     sess_options=_no_fusion()).run(None, {"x": x})[0]
+    assert write_matmul_nbits(model) == (1, [])
+    assert [n.op_type for n in model.graph.node] == ["MatMulNBits", "Add"]
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.abs(got - reference).max() <= 1e-5

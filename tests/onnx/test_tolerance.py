@@ -137,3 +137,26 @@ def test_an_int8_compute_layer_with_k_above_256_on_the_path_falls_back_to_underi
     nodes[1] = _int8_layer("p", "h", "wide", k=256)
     (tol,) = derive_tolerances(_int8_model(nodes, []), set()).values()
     assert (tol.rule, tol.steps) == ("int8 compute", 2)
+
+
+def test_fused_dynamic_quantize_matmul_is_a_stage_of_one_step_behind_exact_ops_and_its_output_is_underived() -> None:
+    # Before: DynamicQuantizeMatMul counted as a float op, so a fused w8a8_dynamic file was judged at float precision
+    # (1e-4 of range) while its unfused twin (DynamicQuantizeLinear + MatMulIntegerToFloat) got 0.02 of range.
+    weight = [numpy_helper.from_array(np.ones((8, 8), np.int8), "w"),
+              numpy_helper.from_array(np.full(8, 0.01, np.float32), "ws")]
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("DynamicQuantizeMatMul", ["r", "w", "ws"], ["y"], domain="com.microsoft")]
+    model = _model(nodes, weight)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    (tol,) = derive_tolerances(model, set()).values()
+    assert (tol.rule, tol.relative) == ("underived", UNDERIVED_RELATIVE)
+    assert (tol.bound.steps, tol.bound.quantized) == (1, True)
+    assert "DynamicQuantizeMatMul x1" in tol.reason
+
+
+def test_dynamic_quantize_linear_adds_one_step_of_its_own_scale_even_behind_exact_ops() -> None:
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("DynamicQuantizeLinear", ["r"], ["q", "qs", "qz"]),
+             helper.make_node("DequantizeLinear", ["q", "qs", "qz"], ["y"])]
+    (tol,) = derive_tolerances(_model(nodes, []), {"y"}).values()
+    assert (tol.rule, tol.steps) == ("steps", 1)

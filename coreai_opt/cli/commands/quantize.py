@@ -42,8 +42,9 @@ RANDOM_TEXT_SAMPLES = 32
 VERIFY_SAMPLES = 128
 DEFAULT_SEQ_LEN = 128
 DEFAULT_LATENCY_RUNS = 20
-#: ``QuantizerConfig.presets.names()``, listed here so that ``--help`` needs no torch import (a test keeps it equal).
-PRESET_NAMES = ("w8", "w4", "w8a8", "w8a8_sym", "w4a8", "w8a16", "fp8")
+#: ``QuantizerConfig.presets.all_names()``, listed here so that ``--help`` needs no torch import (a test keeps it
+#: equal).
+PRESET_NAMES = ("w8", "w4", "w8a8", "w8a8_sym", "w4a8", "w8a16", "fp8", "w8a8_dynamic")
 
 
 def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -248,7 +249,7 @@ def load_config(preset: str, config_path: Path | None) -> tuple[Any, str]:
         if not config_path.is_file():
             raise CliError(f"config file not found: {config_path}")
         return QuantizerConfig.from_yaml(config_path), config_path.stem
-    names = QuantizerConfig.presets.names()
+    names = QuantizerConfig.presets.all_names()
     if preset not in names:
         raise CliError(f"unknown preset {preset!r}; choose one of: {', '.join(names)}")
     return QuantizerConfig.presets.get(preset)(), preset

@@ -12,6 +12,13 @@ onnxruntime, and why. With the kernel table of :mod:`coreai_opt.onnx.verify.ort_
   ulps moves a value across the rounding boundary at most once (one step), and an input that differs by ``k``
   steps moves the next quantizer by ``k`` of its own steps (a gain of at most one step per step: true of moves,
   pooling and of the layers we measured, whose flips stay isolated; a layer with a larger gain can exceed it).
+* a dynamic activation quantizer (``DynamicQuantizeLinear``, or the one inside a fused ``DynamicQuantizeMatMul``)
+  is a stage of one step of its own run-time scale ``s = (max(0, max x) - min(0, min x)) / 255``, always
+  (``k + 1``, even behind exact ops): the scale is computed from the whole tensor of the call, so two runs that
+  present the same values in tensors of other extents (a one-token KV-cache step vs a full regeneration) round
+  them on different grids. A fused ``DynamicQuantizeMatMul`` is such a stage followed by a float-output integer
+  product; its step exists only at run time, so an output behind it is ``"underived"`` (below), never float
+  precision.
 
 Per output (:class:`OutputTolerance`):
 
@@ -94,6 +101,8 @@ INT8_COMPUTE_DERIVED_MAX_K = 256
 _AVERAGING = frozenset({"ReduceMean", "GlobalAveragePool", "AveragePool"})
 _16_BIT = frozenset({onnx.TensorProto.INT16, onnx.TensorProto.UINT16})
 _QUANTIZE_OPS = frozenset({"QuantizeLinear", "DynamicQuantizeLinear"})
+# Float-in, float-out kernels that quantize their activation input with a run-time (dynamic) scale.
+_DYNAMIC_INPUT_MATMULS = frozenset({"DynamicQuantizeMatMul"})
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,9 @@ def _through(node: onnx.NodeProto, entry: KernelNumerics | None, inputs: list[Pa
     merged = _named(node, _merge(inputs), entry)
     if is_int8_compute(node):
         return _int8_compute(node, merged)
+    if node.op_type in _DYNAMIC_INPUT_MATMULS:  # a dynamic quantizer stage (one step of its own scale), then float
+        return PathBound(merged.steps + 1, True, True, merged.kernels, merged.diverging, (), False,
+                         int8_codes=merged.int8_codes, int8_k=merged.int8_k)
     if entry.integer_output:  # a quantizer stage: it rounds
         rounds = merged.inexact or merged.steps > 0 or entry.steps > 0
         carried = merged.rounds_after_int8 + int(rounds) if merged.int8_layer else 0

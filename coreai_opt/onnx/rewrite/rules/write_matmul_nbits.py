@@ -5,8 +5,11 @@ Sites (:mod:`coreai_opt.onnx.rewrite.matmul_nbits_weight` holds the weight decis
 * ``MatMul(A, W)`` with ``W`` a constant int4 / uint4 / int8 / uint8 ``DequantizeLinear`` (``[K, N]``, or
   ``[N, K]`` behind ``Transpose(perm=[1, 0])``) and ``A`` not an 8-bit activation ``DequantizeLinear`` (those run
   as ``QLinearMatMul`` / ``QGemm`` / ``DynamicQuantizeMatMul`` and are left alone);
-* ``Gemm(A, W, C)`` (``alpha = beta = 1``, ``transA = 0``) whose ``A`` is an int8-compute marker; a float-compute
-  ``Gemm`` stays a float ``Gemm`` (onnxruntime does not fuse it).
+* ``Gemm(A, W, C)`` (``alpha = beta = 1``, ``transA = 0``; ``W`` ``[K, N]``, or ``[N, K]`` with ``transB = 1``)
+  with the same ``A`` condition, or whose ``A`` is an int8-compute marker. A weight stored ``[in, out]`` and used
+  as ``x @ W + b`` (GPT-2's ``Conv1D``, traced as ``addmm``) exports as such a ``Gemm`` with ``transB = 0``; left to
+  onnxruntime, its own ``DequantizeLinear + Gemm`` fusion computes it differently from eager (measured: GPT-2 w4, one
+  flipped token with margin 0.0013 against a bound of 0.00024).
 
 ``A`` read through the marker ``coreai_opt.Int8ComputeActivation`` (the eager model emulates int8 compute) becomes
 ``MatMulNBits(x, ..., accuracy_level=4)``; any other ``A`` gives ``accuracy_level=1`` (float compute, eager-equal).
@@ -85,23 +88,26 @@ class WriteMatMulNBits(Rule):
     domains = {CONTRIB_DOMAIN: 1}
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
-        """A linear whose weight is a constant 4- / 8-bit DequantizeLinear and whose input is no 8-bit activation."""
+        """A linear whose weight is a constant 4- / 8-bit DequantizeLinear and whose input is no 8-bit activation.
+
+        ``Gemm`` computes ``A · op(W) + C`` with ``op(W) = W`` (``transB = 0``, ``W [K, N]``, the layout of
+        ``MatMul``) or ``Wᵀ`` (``transB = 1``, ``W [N, K]``, flagged ``transposed``); the packing writes either as
+        ``MatMulNBits``' ``[N, K]`` blocks, and ``C`` becomes an ``Add``.
+        """
         if node.domain not in ("", "ai.onnx"):
             return None
         a_node = graph.producer(node.input[0])
         marked = _is_marker(a_node)
         bias = None
         transposed = False
+        if not marked and _is_8_bit_activation(a_node, graph):
+            return None
         if node.op_type == "Gemm":
             attrs = attributes_of(node)
-            if not marked:
-                return None
             if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
-                return Fail("Gemm has transA / alpha / beta")
+                return Fail("Gemm has transA / alpha / beta") if marked else None
             transposed = bool(attrs.get("transB", 0))
             bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        elif _is_8_bit_activation(a_node, graph):
-            return None
         weight = _weight(node.input[1], transposed, graph)
         if weight is None:
             return Fail("weight is not a constant DequantizeLinear") if marked else None
