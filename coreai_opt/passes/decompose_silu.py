@@ -14,7 +14,8 @@ onnxruntime's ``quantize_static``: ``QLinearSigmoid`` (a 256-entry table) then `
 A SiLU is split only where the split keeps the user's configuration: the new ``sigmoid`` and ``mul`` nodes keep
 the SiLU's module name and type, and the split happens only when ``resolve`` gives the op kinds ``sigmoid`` and
 ``mul`` the same weight and activation specs it gives ``silu`` there. A config that names ``op_kind:silu`` (e.g.
-``None`` to keep SiLU float, or another dtype) therefore leaves that SiLU whole, as before.
+``None`` to keep SiLU float, or another dtype) therefore leaves that SiLU whole, as before. A SiLU whose
+activations stay float (weight-only presets) is left whole too: splitting it would change nothing but names.
 
 Targets: ``nn.SiLU`` modules (exactly that class), ``F.silu`` and ``aten.silu`` (FX and torch.export forms). It
 runs after ``functionalize_inplace`` (every SiLU is out of place by then) and before ``classify_ops``.
@@ -57,8 +58,8 @@ def _input(node: Node) -> Node | None:
     return value if isinstance(value, Node) else None
 
 
-def _same_specs(resolve: Resolver, node: Node) -> bool:
-    """True when ``sigmoid`` and ``mul`` resolve to the specs ``silu`` resolves to at ``node``'s module."""
+def _split_keeps_config(resolve: Resolver, node: Node) -> bool:
+    """True when the silu's activations are quantized and ``sigmoid`` / ``mul`` resolve to the silu's specs."""
     meta = get_meta(node)
 
     def specs(kind: OpKind) -> tuple[object, object]:
@@ -66,7 +67,7 @@ def _same_specs(resolve: Resolver, node: Node) -> bool:
         return resolved.weight, resolved.activation  # type: ignore[attr-defined]
 
     silu = specs(OpKind.SILU)
-    return specs(OpKind.SIGMOID) == silu and specs(OpKind.MUL) == silu
+    return silu[1] is not None and specs(OpKind.SIGMOID) == silu and specs(OpKind.MUL) == silu
 
 
 def _call(gm: GraphModule, silu: Node, target: Callable[..., torch.Tensor], args: tuple[object, ...]) -> Node:
@@ -101,7 +102,7 @@ def decompose_silu(gm: GraphModule, resolve: Resolver) -> PassResult:
     changes = 0
     for node in list(gm.graph.nodes):
         x = _input(node) if _is_silu(node, gm) else None
-        if x is None or not _same_specs(resolve, node):
+        if x is None or not _split_keeps_config(resolve, node):
             continue
         gate = _call(gm, node, torch.sigmoid, (x,))
         product = _call(gm, node, torch.mul, (x, gate))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import coreai_opt as co
-from coreai_opt.config import QuantizerConfig
+from coreai_opt.config import OpConfig, QuantizerConfig
 from coreai_opt.onnx.verify.fusion_report import optimized_model
 from coreai_opt.passes.capture import capture
 from coreai_opt.passes.decompose_silu import decompose_silu
@@ -77,14 +77,24 @@ def test_a_config_for_op_kind_silu_keeps_the_silu_whole_and_applies() -> None:
 
 def test_split_silu_keeps_module_scope_so_module_name_configs_still_apply() -> None:
     model = _ConvSiLU(functional=False).eval()
-    float_act = W8A8().set_module_name("act", None)
-    prepared = co.prepare(model, float_act, (torch.randn(1, 3, 8, 8),))
-    # module "act" float: no quantizer between sigmoid and mul; act_output_fq is conv b's input quantizer
-    assert _activation_path(prepared) == ["x_input_fq", "conv2d", "a_output_fq", "sigmoid", "mul", "act_output_fq",
-                                          "conv2d", "b_output_fq"]
-    prepared = co.prepare(model, W8A8(), (torch.randn(1, 3, 8, 8),))
-    assert _activation_path(prepared) == ["x_input_fq", "conv2d", "a_output_fq", "sigmoid", "act_output_fq", "mul",
-                                          "act_1_output_fq", "conv2d", "b_output_fq"]
+    int16 = QuantizerConfig.presets.w8a16().activation
+    config = W8A8().set_module_name("act", OpConfig(activation=int16))
+    prepared = co.prepare(model, config, (torch.randn(1, 3, 8, 8),))
+    path = _activation_path(prepared)
+    assert path[path.index("sigmoid"):path.index("mul") + 1] == ["sigmoid", "act_output_fq", "mul"]
+    modules = dict(prepared.named_modules())
+    # the sigmoid's output and the product take module act's 16-bit spec; the convs keep the global 8-bit one
+    assert {n: modules[n].spec.dtype for n in ("x_input_fq", "act_output_fq", "act_1_output_fq", "b_output_fq")} == {
+        "x_input_fq": "uint8", "act_output_fq": "uint16", "act_1_output_fq": "uint16", "b_output_fq": "uint8"}
+
+
+def test_a_float_silu_is_left_whole() -> None:
+    model = _ConvSiLU(functional=False).eval()
+    prepared = co.prepare(model, W8A8().set_module_name("act", None), (torch.randn(1, 3, 8, 8),))
+    assert _activation_path(prepared) == ["x_input_fq", "conv2d", "a_output_fq", "act", "act_output_fq", "conv2d",
+                                          "b_output_fq"]
+    gm = capture(model, (torch.randn(1, 3, 8, 8),))
+    assert decompose_silu(gm, QuantizerConfig.presets.w8().resolve).changes == 0  # weight-only: nothing to gain
 
 
 def test_split_silu_matches_torch_silu_in_float_to_rounding() -> None:
