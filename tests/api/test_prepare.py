@@ -29,8 +29,7 @@ W8A8_COUNTS = {
     "torch_transformer": {"linear": 25, "input": 1, "matmul": 4, "mul": 2, "softmax": 2, "add": 4, "layer_norm": 4,
                           "relu": 2, "avg_pool": 1},
     "shape_unpack": {"linear": 9, "input": 1, "gelu": 1, "div": 1, "avg_pool": 1},
-    "conv1d_groupnorm": {"input": 1, "conv": 6, "group_norm": 2, "sigmoid": 2, "mul": 2, "avg_pool": 1,
-                         "linear": 3},  # each silu is x · sigmoid(x) (decompose_silu)
+    "conv1d_groupnorm": {"input": 1, "conv": 6, "group_norm": 2, "silu": 2, "avg_pool": 1, "linear": 3},
 }
 WEIGHT_ONLY = ("w8", "w4")
 

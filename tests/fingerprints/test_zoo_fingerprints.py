@@ -1,10 +1,5 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
-The activation-quantizing cases of ``conv1d_groupnorm`` (the zoo's only SiLU model) were re-recorded on purpose
-when ``coreai_opt.passes.decompose_silu`` began splitting a SiLU whose activations are quantized into
-``x · sigmoid(x)`` (issue 29: onnxruntime then runs ``QLinearSigmoid → QLinearMul`` instead of a float
-``Sigmoid`` and ``Mul``): each SiLU's one output quantizer became the sigmoid's and the product's. Its weight-only
-cases (a float SiLU is left whole) and every other model's cases were kept, recorded by the code before.
 The 21 activation-quantizing cases (w8a8, w8a8_sym, w4a8, w8a16, fp8; w8a8 with fold / insert_mul) of
 ``transformer_encoder``, ``torch_transformer`` and ``shape_unpack`` were re-recorded on purpose when
 ``coreai_opt.graph.float_only_ops`` stopped ops onnxruntime runs only in float from requesting quantizers (issue 29):
