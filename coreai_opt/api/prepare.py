@@ -2,7 +2,7 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture (→ functionalize_inplace) → check_finite_weights → decompose_attention → classify_ops →
+    capture (→ functionalize_inplace) → check_finite_weights → decompose_attention → decompose_silu → classify_ops →
     functionalize_weights → fold_batchnorm → fold_attention_scale → annotate → insert_quantizers →
     check_activation_axes → int8_compute_inputs (weight-only linears with ``matmul_compute="int8"``)
     → insert_weight_statistics
@@ -35,6 +35,7 @@ from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.decompose_attention import decompose_attention
+from coreai_opt.passes.decompose_silu import decompose_silu
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
@@ -126,6 +127,7 @@ def prepare(
     check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
                                         "before prepare")
     gm = decompose_attention(gm).graph_module
+    gm = decompose_silu(gm, config.resolve).graph_module
     gm = classify_ops(gm).graph_module
     op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
     gm = functionalize_weights(gm).graph_module

@@ -249,8 +249,8 @@ def test_identity_and_eval_dropout_between_quantized_ops_add_no_second_quantizer
     batches = [(torch.randn(4, 3, 8, 8),) for _ in range(3)]
     prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), batches[0])
     assert _quantizer_calls(prepared) == {  # each quantizer called once
-        "x_input_fq": 1, "conv_weight_fq": 1, "conv_bias_fq": 1, "conv_output_fq": 1, "silu_output_fq": 1,
-        "head_weight_fq": 1, "head_bias_fq": 1, "head_output_fq": 1}
+        "x_input_fq": 1, "conv_weight_fq": 1, "conv_bias_fq": 1, "conv_output_fq": 1,
+        "sigmoid_output_fq": 1, "mul_output_fq": 1, "head_weight_fq": 1, "head_bias_fq": 1, "head_output_fq": 1}
     _, report = _pipeline(model, batches, tmp_path / "m.onnx")
     assert _requantize_pairs(tmp_path / "m.onnx") == []  # was conv → Q → DQ → Q → DQ → silu (identical qparams)
     assert report.fusion.integer_compute == {"QLinearConv": 2} and report.ok
@@ -261,7 +261,8 @@ def test_training_dropout_between_quantized_ops_keeps_its_requantization_for_qat
     model = _IdentityFollowers(functional=False).train()  # dropout scales kept values by 1 / (1 - p): off the grid
     prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), (torch.randn(4, 3, 8, 8),), qat=True)
     calls = _quantizer_calls(prepared)
-    assert calls["silu_output_fq"] == 2 and calls["conv_output_fq"] == 1  # after the silu and after the dropout
+    # silu is x · sigmoid(x) (decompose_silu): the product's quantizer runs after the mul and after the dropout
+    assert calls["mul_output_fq"] == 2 and calls["sigmoid_output_fq"] == 1 and calls["conv_output_fq"] == 1
 
 
 class _SqueezeExcite(nn.Module):
@@ -299,7 +300,8 @@ def test_squeeze_excite_gate_is_calibrated_inside_zero_one_and_beats_the_fixed_r
         path = tmp_path / f"fixed{fixed}.onnx"
         co.export_onnx(converted, batches[0], path)
         report = co.verify_onnx(converted, path, batches)
-        assert report.ok and report.fusion.other_quantized.get("QLinearSigmoid") == 1
+        # the gate's sigmoid and the silu's sigmoid (silu = x · sigmoid(x), decompose_silu)
+        assert report.ok and report.fusion.other_quantized.get("QLinearSigmoid") == 2
         gate_fq = dict(converted.named_modules())["sigmoid_output_fq"]
         with torch.no_grad():
             outputs = torch.cat([model(x) for x, in batches]), torch.cat([converted(x) for x, in batches])
