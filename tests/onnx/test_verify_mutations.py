@@ -84,7 +84,7 @@ def _check_defect(exported: Callable[[str, str], Exported], tmp_path: Path, name
     if outcome.status == "flagged":
         assert outcome.first_quantizer is not None, f"{defect} was flagged without naming a quantizer"
         assert outcome.first_quantizer.startswith("quantize_dequantize_")
-        assert outcome.first_rule in ("qparams", "steps", "mismatch", "bias")
+        assert outcome.first_rule in ("qparams", "steps", "mismatch", "bias", "missing")
     return outcome.status
 
 
@@ -124,6 +124,32 @@ def test_clean_shape_unpack_w8a8_codes_identical_at_every_quantizer(exported: Ca
     assert len(report.quantizers) == 9  # every QuantizeLinear of the file (3 of them on Reshape -> Gemm views)
     assert all(q.identical == 1.0 and q.mean_signed == 0.0 and q.qparams_match for q in report.quantizers)
     assert {q.kernels for q in report.quantizers} == {"exact", "integer", "float"}
+
+
+def test_dropped_pair_is_named_missing_even_when_the_output_does_not_move(exported: Callable[[str, str], Exported],
+                                                                         tmp_path: Path) -> None:
+    """transformer_encoder w8a8: its middle pair dropped leaves onnxruntime's output unchanged (0), no boundary
+    compares the dropped quantizer, yet eager still calls it: rule ``missing`` names that call, the rest pass."""
+    from coreai_opt.onnx.verify.localize import quantizer_boundaries
+    from coreai_opt.onnx.verify.quantizer_codes import traced_calls
+
+    model, clean_path, inputs = exported("transformer_encoder", "w8a8")
+    clean = onnx.load(str(clean_path))
+    mutated = mutate(clean, "drop_qdq")
+    dropped = {b.call for b in quantizer_boundaries(clean)} - {b.call for b in quantizer_boundaries(mutated)}
+    assert len(dropped) == 1 and dropped <= traced_calls(clean) and not dropped & traced_calls(mutated)
+    path = tmp_path / "dropped.onnx"
+    onnx.save(mutated, str(path))
+    report = verify_onnx(model, path, inputs)
+    assert not report.ok and [q.rule for q in report.quantizers if not q.ok] == ["missing"]
+    first = report.first_failing_quantizer
+    call = f"quantize_dequantize_{dropped.pop()}"
+    assert first is not None and first.call == call
+    assert first.count == 16 * 12 * 32  # the dropped [16, 12, 32] activation of the first batch
+    assert "no node of the file" in str(report)
+    clean_report = verify_onnx(model, clean_path, inputs)  # the same quantizers, the dropped one compared there
+    assert clean_report.ok and call in [q.call for q in clean_report.quantizers]
+    assert [q.call for q in clean_report.quantizers] == [q.call for q in report.quantizers]
 
 
 @pytest.mark.parametrize("name", ["transformer_encoder", "mobilenet_v2"])
