@@ -25,15 +25,19 @@ kernel class that judged it when all held):
    Legitimate differences are ±1 flips at rounding ties, as likely up as down, so ``Σd`` is a sum of ``Σd²`` signs
    with standard deviation ``sqrt(Σd²)``; a defect shifts many codes the same way.
 
-5. ``missing``: every activation quantizer eager calls (a ``coreai_opt::quantize_dequantize`` whose input is no
-   parameter or buffer of the model) must have a counterpart in the file: some node whose ``namespace`` metadata
-   names that traced call (its ``QuantizeLinear`` / ``DequantizeLinear``, or the integer or fused node a rewrite
-   rule made of them). A call no node names was dropped from the file; its readers read the float tensor. The
-   quantizers behind it only see an input that differs a little (hf-llama: a dropped pair moved the output 4 of 60
-   allowed steps, 103 quantizers compared, none failing), so the quantizer is reported itself, first among
-   the quantizers after it. Rules that legitimately fold or drop a quantizer keep its name on a node (a folded
-   constant's ``DequantizeLinear``, a fused ``QLinearConv``); measured: 0 calls missing on the 49 clean zoo x
-   preset files (``tests/onnx/test_verify.py``).
+5. ``missing``: every activation quantizer eager calls (a ``coreai_opt::quantize_dequantize`` whose input is
+   computed from the batch, not from parameters, buffers or constants only) must have a counterpart in the file:
+   some node whose ``namespace`` metadata names that traced call (its ``QuantizeLinear`` / ``DequantizeLinear``, or
+   the integer or fused node a rewrite rule made of them), or an untraced ``QuantizeLinear`` / ``DequantizeLinear``
+   reading the quantizer's scale buffer by name (a pair ``linears_to_gemm`` rebuilt without that metadata), or
+   another traced call with the same scale (a shared quantizer: ``fold_pads_into_convs`` drops the requantization
+   at a Pad that shares the convolution input's grid, which changes no value). A call with none of these was
+   dropped from the file; its readers read the float tensor. The quantizers behind it only see an input that
+   differs a little (hf-llama: a dropped pair moved the output 4 of 60 allowed steps, 103 quantizers compared,
+   none failing), so the quantizer is reported itself, before the quantizers of later calls. Quantizers of tensors
+   computed from constants only are folded away with their producers and are not activation calls. Not seen: a
+   dropped pair of a quantizer shared with a call still in the file. Measured: 0 calls missing on the 49 clean
+   zoo x preset files and on clean hf-llama (benchmarks/verify/RESULTS.md).
 
 Kernel classes, from the non-exact onnxruntime kernels between this quantizer and the quantizers it reads
 (:data:`coreai_opt.onnx.verify.ort_kernels.KERNELS`, onnxruntime's optimized graph of the instrumented copy):
@@ -69,7 +73,9 @@ import numpy as np
 import onnx
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.verify.fusion_report import optimized_model
@@ -167,25 +173,36 @@ class _RecordQuantizeCalls(TorchDispatchMode):
     """Counts every ``coreai_opt::quantize_dequantize`` call in call order, keeping only the wanted ones.
 
     A wanted call (an activation boundary) keeps ``(output, scale, zero_point)``; a fake-quantized weight is never
-    copied. Every call whose input is not one of ``stored`` (the model's parameters and buffers, by storage) is an
-    activation call: :attr:`activations` maps its index to its shape.
+    copied. Every op's outputs computed from a tensor derived from ``inputs`` (the batch) are derived too; a
+    quantizer call whose input is derived is an activation call (:attr:`activations`: index -> (shape, storage
+    address of its scale)). Quantizers of
+    tensors computed from constants only (a causal mask or rotary table built from ``arange``) are not: the exporter
+    folds them into constants with their producers (clean hf-llama: two such calls, no node left in the file).
     """
 
-    def __init__(self, wanted: set[int], stored: set[int]) -> None:
+    def __init__(self, wanted: set[int], inputs: tuple[torch.Tensor, ...]) -> None:
         super().__init__()
         self.wanted = wanted
-        self.stored = stored
         self.count = 0
         self.calls: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.activations: dict[int, tuple[int, ...]] = {}
+        self.activations: dict[int, tuple[tuple[int, ...], int]] = {}
+        self.derived = WeakIdKeyDictionary()
+        for tensor in inputs:
+            self.derived[tensor] = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         result = func(*args, **(kwargs or {}))
+        derived = any(isinstance(t, torch.Tensor) and t in self.derived
+                      for t in pytree.tree_leaves((args, kwargs or {})))
+        if derived:
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor):
+                    self.derived[t] = True
         if func is torch.ops.coreai_opt.quantize_dequantize.default:
             if self.count in self.wanted:
                 self.calls[self.count] = (result.detach().clone(), args[1].detach().clone(), args[2].detach().clone())
-            if not isinstance(args[0], nn.Parameter) and args[0].untyped_storage().data_ptr() not in self.stored:
-                self.activations[self.count] = tuple(args[0].shape)
+            if args[0] in self.derived:
+                self.activations[self.count] = (tuple(args[0].shape), args[1].untyped_storage().data_ptr())
             self.count += 1
         return result
 
@@ -198,6 +215,17 @@ def traced_calls(model: onnx.ModelProto) -> set[int]:
             if prop.key == "namespace":
                 calls.update(int(m.group(1) or 0) for m in _TRACED_CALL.finditer(prop.value))
     return calls
+
+
+def _untraced_scales(model: onnx.ModelProto) -> set[str]:
+    """Scale names (``.`` as ``_``) read by ``QuantizeLinear`` / ``DequantizeLinear`` nodes no call is traced to.
+
+    A rewrite rule that rebuilds a pair (``linears_to_gemm``: ``Reshape -> DQ -> Gemm -> Q -> Reshape``) writes new
+    nodes without ``namespace`` metadata; they still read the quantizer's lifted scale buffer by its name.
+    """
+    return {node.input[1].replace(".", "_") for node in model.graph.node
+            if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 1
+            and not any(p.key == "namespace" and _TRACED_CALL.search(p.value) for p in node.metadata_props)}
 
 
 def _with_missing(results: list[QuantizerCodes], missing: list[QuantizerCodes]) -> tuple[QuantizerCodes, ...]:
@@ -288,13 +316,14 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     boundaries = quantizer_boundaries(exported)
     if not boundaries:
         return ()
-    stored = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    recorder = _RecordQuantizeCalls({b.call for b in boundaries}, stored)
+    recorder = _RecordQuantizeCalls({b.call for b in boundaries}, batch)
     with torch.no_grad(), recorder:
         model(*batch)
-    traced = traced_calls(exported)
-    missing = [QuantizerCodes.missing(call, shape) for call, shape in recorder.activations.items()
-               if call not in traced]
+    traced, rebuilt = traced_calls(exported), _untraced_scales(exported)
+    buffers = {t.untyped_storage().data_ptr(): name.replace(".", "_") for name, t in model.named_buffers()}
+    shared = {scale for call, (_, scale) in recorder.activations.items() if call in traced}
+    missing = [QuantizerCodes.missing(call, shape) for call, (shape, scale) in recorder.activations.items()
+               if call not in traced and buffers.get(scale) not in rebuilt and scale not in shared]
     boundaries = [b for b in boundaries if b.call in recorder.calls]
     tensors = [b.tensor for b in boundaries]
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
