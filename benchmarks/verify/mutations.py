@@ -269,7 +269,7 @@ class DefectOutcome:
         output_change: ``max |mutated - clean|`` of onnxruntime's outputs over all batches (None when not run).
         flagged: ``not report.ok`` (None when ``verify_onnx`` did not run).
         first_quantizer: The first failing quantizer's traced call, e.g. ``"quantize_dequantize_3"``.
-        first_rule: The rule it failed (``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``).
+        first_rule: The rule it failed (``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``, ``"missing"``).
         seconds: Time of ``verify_onnx`` on the mutated file.
     """
 

@@ -161,3 +161,26 @@ def test_compare_explains_each_flip_by_its_largest_eager_margin_against_the_near
     assert result.argmax_flips == (f"1 near-tie flip(s); largest eager top-2 margin of a flip 0.001 <= bound "
                                    f"{result.argmax_tie_bound:.3g}")
     assert _compare("logits", [ref], [ref], None).argmax_flips == ""
+
+
+def test_compare_fails_token_agreement_below_99_5_percent_even_when_every_flip_is_a_near_tie():
+    """1000 tokens, each with an eager top-2 margin of 0.01 (bound 2 x 0.02 x range 1.0 = 0.04): 5 near-tie flips
+    (99.5 %) pass, 6 (99.4 %) are a shift; 64 rows are too few for the floor (one flip is 1.6 %): 3 flips pass."""
+    from coreai_opt.onnx.verify.output_comparison import MIN_AGREEMENT_ROWS, MIN_ARGMAX_AGREEMENT
+    from coreai_opt.onnx.verify.output_comparison import compare_output as _compare
+
+    assert (MIN_ARGMAX_AGREEMENT, MIN_AGREEMENT_ROWS) == (0.995, 200)
+    ref = np.tile(np.array([0.5, 0.49, 0.0], dtype=np.float32), (1, 1000, 1))  # [B=1, T=1000, V=3]
+    ref[0, 0] = [1.0, 0.99, 0.0]  # range 1.0
+    for flips, ok in ((5, True), (6, False)):
+        got = ref.copy()
+        got[0, 1:1 + flips] = [0.49, 0.5, 0.0]
+        result = _compare("logits", [ref], [got], None)
+        assert result.argmax_flips_within_tolerance == flips and result.argmax_rows == 1000
+        assert result.argmax_agreement == pytest.approx(1 - flips / 1000) and result.ok is ok
+    assert "below 99.5%: too many flips at once for rounding" in result.argmax_flips
+    small = ref[:, :64].reshape(64, 3)
+    got = small.copy()
+    got[1:4] = [0.49, 0.5, 0.0]
+    result = _compare("logits", [small], [got], None)
+    assert (result.argmax_flips_within_tolerance, result.argmax_rows, result.ok) == (3, 64, True)

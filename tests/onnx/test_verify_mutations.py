@@ -84,7 +84,7 @@ def _check_defect(exported: Callable[[str, str], Exported], tmp_path: Path, name
     if outcome.status == "flagged":
         assert outcome.first_quantizer is not None, f"{defect} was flagged without naming a quantizer"
         assert outcome.first_quantizer.startswith("quantize_dequantize_")
-        assert outcome.first_rule in ("qparams", "steps", "mismatch", "bias")
+        assert outcome.first_rule in ("qparams", "steps", "mismatch", "bias", "missing")
     return outcome.status
 
 
@@ -124,6 +124,29 @@ def test_clean_shape_unpack_w8a8_codes_identical_at_every_quantizer(exported: Ca
     assert len(report.quantizers) == 9  # every QuantizeLinear of the file (3 of them on Reshape -> Gemm views)
     assert all(q.identical == 1.0 and q.mean_signed == 0.0 and q.qparams_match for q in report.quantizers)
     assert {q.kernels for q in report.quantizers} == {"exact", "integer", "float"}
+
+
+def test_dropped_pair_is_reported_missing_at_its_own_call(exported: Callable[[str, str], Exported],
+                                                           tmp_path: Path) -> None:
+    """resnet18 w8a8 with its middle activation pair dropped: no node of the file is traced from that call any more,
+    eager still calls it, so rule ``missing`` reports exactly that call; the clean file reports no call missing."""
+    from coreai_opt.onnx.verify.localize import quantizer_boundaries
+    from coreai_opt.onnx.verify.quantizer_codes import traced_calls
+
+    model, clean_path, inputs = exported("resnet18", "w8a8")
+    clean = onnx.load(str(clean_path))
+    mutated = mutate(clean, "drop_qdq")
+    dropped = {b.call for b in quantizer_boundaries(clean)} - {b.call for b in quantizer_boundaries(mutated)}
+    assert len(dropped) == 1 and dropped <= traced_calls(clean) and not dropped & traced_calls(mutated)
+    path = tmp_path / "dropped.onnx"
+    onnx.save(mutated, str(path))
+    report = verify_onnx(model, path, inputs)
+    call = f"quantize_dequantize_{dropped.pop()}"
+    assert [q.call for q in report.quantizers if q.rule == "missing"] == [call] and not report.ok
+    assert "no node of the file" in str(report)
+    clean_report = verify_onnx(model, clean_path, inputs)
+    assert clean_report.ok and not [q for q in clean_report.quantizers if q.rule == "missing"]
+    assert call in [q.call for q in clean_report.quantizers]  # compared there, absent from the mutated file
 
 
 @pytest.mark.parametrize("name", ["transformer_encoder", "mobilenet_v2"])

@@ -21,9 +21,11 @@ Inside the graph, every activation quantizer is judged on the first batch
 onnxruntime computes must differ from eager's only as rounding does (sparse ±1 flips at ties, as many up as down,
 no more than the kernels before the quantizer and the differences it inherits explain).
 :attr:`VerificationReport.quantizers` holds each quantizer's statistics and the rule that judged it; ``ok`` needs
-every quantizer to pass as well as every output. An output with a class or vocabulary axis (``[N, C]``, or
+every quantizer to pass as well as every output. An activation quantizer eager calls that no node of the file was
+traced from (a dropped Q/DQ pair) fails as ``missing``. An output with a class or vocabulary axis (``[N, C]``, or
 ``[B, T, V]`` judged per token over the last axis) reports its top-1 agreement and fails on any flip whose eager
-margin is not a near tie.
+margin is not a near tie, and, over at least 200 rows, on an agreement below 99.5 % even when every flip is a near
+tie (:data:`~coreai_opt.onnx.verify.output_comparison.MIN_ARGMAX_AGREEMENT`: many near ties at once are a shift).
 
 When an output or a quantizer fails, the first failing quantizer is named (:attr:`VerificationReport.divergence`:
 from :func:`coreai_opt.onnx.verify.localize.localize_divergence` when an output fails, else the first quantizer whose
