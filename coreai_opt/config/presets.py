@@ -29,10 +29,9 @@ Choices:
   (``QuantType.QUInt16``). It needs ONNX opset 21.
 * ``int32_bias`` is turned off where no per-output-channel weight scale exists (per-block weights) or where
   integer accumulation does not apply (fp8); biases then stay float.
-* Activation range choice (``activation_range``): ``"minmax"`` (global min/max over calibration, qparams
-  calculator ``"global_minmax"``), ``"moving_average"`` (min/max smoothed per batch, qparams calculator
-  ``"moving_average"``), and the histogram calculators ``"percentile"``, ``"mse"``, ``"entropy"`` (qparams
-  calculator ``"static"``: the histogram already summarises every batch).
+* ``activation_range`` (:data:`ACTIVATION_RANGES`: range calculator -> qparams calculator): ``"minmax"`` ->
+  ``"global_minmax"``, ``"moving_average"`` -> ``"moving_average"``, ``"percentile"`` / ``"mse"`` / ``"entropy"``
+  -> ``"static"`` (the histogram already summarises every batch).
 """
 
 from __future__ import annotations
@@ -45,14 +44,8 @@ from coreai_opt.config.op_config import OpConfig
 from coreai_opt.config.quantizer_config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
 from coreai_opt.quantization.fake_quantize.dynamic_fake_quantize import dynamic_activation_spec
-from coreai_opt.quantization.spec import (
-    PerBlock,
-    PerChannel,
-    PerTensor,
-    QuantizationScheme,
-    QuantizationSpec,
-    get_dtype_info,
-)
+from coreai_opt.quantization.spec import PerBlock, PerChannel, PerTensor, QuantizationScheme, QuantizationSpec
+from coreai_opt.quantization.spec.dtypes import get_dtype_info
 
 __all__ = [
     "ACTIVATION_RANGES",
