@@ -11,14 +11,12 @@ median latency ratio to fp32. Run it on a quiet machine: the ratios are what the
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 import torch
-from torch import nn
 
 import coreai_opt
 from benchmarks.common.latency import measure
@@ -26,41 +24,9 @@ from benchmarks.common.onnx_utils import export_float, session
 from benchmarks.common.results_file import write_page
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, verify_onnx
+from coreai_opt.reference_models import GPTStyleDecoder
 
 VOCAB, SEQ = 2048, 64
-
-
-class _Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.register_buffer("mask", torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape[0], x.shape[1], x.shape[2]
-        q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
-        attn = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(attn)
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class Decoder(nn.Module):
-    """Token + position embeddings, ``depth`` causal blocks, LayerNorm, LM head."""
-
-    def __init__(self, dim: int = 512, depth: int = 4, heads: int = 8) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, dim)
-        self.pos = nn.Parameter(torch.randn(1, SEQ, dim) * 0.02)
-        self.blocks = nn.Sequential(*[_Block(dim, heads) for _ in range(depth)])
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(self.blocks(self.tok(tokens) + self.pos[:, : tokens.shape[1]])))
 
 
 def _levels(path: Path) -> str:
@@ -79,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Quantize, export, verify and time every variant; write the table to ``args.output`` and print it."""
     torch.manual_seed(0)
-    model = (Decoder(64, 1, 4) if args.quick else Decoder()).eval()
+    model = (GPTStyleDecoder(VOCAB, SEQ, 64, 1, 4) if args.quick else GPTStyleDecoder(VOCAB, SEQ, 512, 4, 8)).eval()
     gen = torch.Generator().manual_seed(1)
     calib = [torch.randint(0, VOCAB, (4, SEQ), generator=gen) for _ in range(4)]
     evals = [torch.randint(0, VOCAB, (8, SEQ), generator=gen) for _ in range(2)]

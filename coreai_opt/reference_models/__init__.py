@@ -19,7 +19,9 @@ from coreai_opt.reference_models.mobilenet import InvertedResidual, MobileNetV2S
 from coreai_opt.reference_models.pretrained import load_digits_cnn
 from coreai_opt.reference_models.resnet import BasicBlock, Bottleneck, ResNetStyle, resnet18_style, resnet50_style
 from coreai_opt.reference_models.sequence_models import (
+    CausalBlock,
     EncoderBlock,
+    GPTStyleDecoder,
     SelfAttention,
     ShapeUnpackModel,
     TorchTransformerClassifier,
@@ -29,11 +31,13 @@ from coreai_opt.reference_models.sequence_models import (
 
 __all__ = [  # alphabetical
     "BasicBlock",
+    "CausalBlock",
     "Bottleneck",
     "Conv1dGroupNorm",
     "ConvTransposeDecoder",
     "DigitsCNN",
     "EncoderBlock",
+    "GPTStyleDecoder",
     "InvertedResidual",
     "load_digits_cnn",
     "mobilenet_v2_style",

@@ -1,7 +1,8 @@
 """Models on ``(batch, sequence, ...)`` inputs.
 
-The hand-written transformer encoder (FX traceable), a classifier on ``nn.TransformerEncoderLayer`` and a model
-that unpacks its input's shape (both need ``torch.export`` capture).
+The hand-written transformer encoder (FX traceable), a GPT-style causal decoder (an LM head over every position),
+a classifier on ``nn.TransformerEncoderLayer`` and a model that unpacks its input's shape (both need
+``torch.export`` capture).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ __all__ = [
     "EncoderBlock",
     "TransformerEncoderClassifier",
     "transformer_encoder",
+    "CausalBlock",
+    "GPTStyleDecoder",
     "TorchTransformerClassifier",
     "ShapeUnpackModel",
 ]
@@ -96,6 +99,48 @@ def transformer_encoder(
 ) -> TransformerEncoderClassifier:
     """Build the hand-written transformer encoder classifier (defaults: d256, 4 layers, 4 heads)."""
     return TransformerEncoderClassifier(vocab_size, dim, depth, heads, num_classes, max_len)
+
+
+class CausalBlock(nn.Module):
+    """Pre-LayerNorm GPT block: causal multi-head attention (one fused ``qkv`` linear) and a GELU MLP, both residual.
+
+    ``softmax(q kᵀ / sqrt(d_head))`` with the future masked to ``-inf`` (a ``tril`` buffer of ``max_len``).
+    """
+
+    def __init__(self, dim: int, heads: int, max_len: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.register_buffer("mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape[0], x.shape[1], x.shape[2]
+        q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
+        attn = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(attn)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPTStyleDecoder(nn.Module):
+    """A GPT-style LM: logits ``[B, T, vocab]`` for token ids ``[B, T]``, ``T <= max_len``.
+
+    Token + learned position embeddings (``N(0, position_std²)``), ``depth`` :class:`CausalBlock`, LayerNorm, LM head.
+    """
+
+    def __init__(self, vocab: int, max_len: int, dim: int = 64, depth: int = 2, heads: int = 4,
+                 position_std: float = 0.02) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(1, max_len, dim) * position_std)
+        self.blocks = nn.Sequential(*[CausalBlock(dim, heads, max_len) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.ln(self.blocks(self.tok(tokens) + self.pos[:, : tokens.shape[1]])))
 
 
 class TorchTransformerClassifier(nn.Module):

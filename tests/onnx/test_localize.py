@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,45 +12,14 @@ from torch import nn
 import coreai_opt
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.onnx import export_onnx, localize_divergence, verify_onnx
+from coreai_opt.reference_models import GPTStyleDecoder
 
 VOCAB, SEQ = 128, 16
 
 
-class _CausalBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.out = nn.Linear(4 * dim, dim)
-        self.register_buffer("mask", torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape[0], x.shape[1], x.shape[2]
-        q, k, v = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
-        attn = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(attn)
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """Token + position embeddings, 2 causal blocks, final LayerNorm, an LM head: logits ``[B, T, VOCAB]``."""
-
-    def __init__(self, dim: int = 64, depth: int = 2, heads: int = 4) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, dim)
-        self.pos = nn.Parameter(torch.randn(1, SEQ, dim) * 0.1)
-        self.blocks = nn.Sequential(*[_CausalBlock(dim, heads) for _ in range(depth)])
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos[:, : tokens.shape[1]]
-        return self.head(self.ln(self.blocks(x)))
+def _tiny_gpt() -> nn.Module:
+    """2 causal blocks of width 64, 4 heads: logits ``[B, T, VOCAB]``."""
+    return GPTStyleDecoder(VOCAB, SEQ, dim=64, depth=2, heads=4, position_std=0.1)
 
 
 Exported = tuple[nn.Module, Path, list[torch.Tensor]]
@@ -65,7 +33,7 @@ def gpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Exported]:
         key = f"{preset}_{compute}"
         if key not in cache:
             torch.manual_seed(0)
-            model = TinyGPT().eval()
+            model = _tiny_gpt().eval()
             gen = torch.Generator().manual_seed(1)
             calib = [torch.randint(0, VOCAB, (4, SEQ), generator=gen) for _ in range(4)]
             options = {} if preset == "w8a8" else {"compute": compute}
