@@ -46,6 +46,25 @@ class Study:
 
         return cls(name, measures, duration, configure, run)
 
+    @classmethod
+    def one_section(cls, name: str, measures: str, duration: str, module: str) -> Study:
+        """A study that is one section: ``module.run(settings)``, with the common options, written to its RESULTS.md.
+
+        The section runs through :func:`benchmarks.common.sections.run_sections` (imported when the study runs).
+        """
+
+        def configure(parser: argparse.ArgumentParser) -> None:
+            add_settings_options(parser, BENCHMARKS / name / "RESULTS.md")
+
+        def run(args: argparse.Namespace) -> int:
+            from benchmarks.common.results_file import write_page
+            from benchmarks.common.sections import run_sections
+
+            section = importlib.import_module(module).run
+            return run_sections({name: section}, args, lambda page: write_page(args.output, page))
+
+        return cls(name, measures, duration, configure, run)
+
     @property
     def folder(self) -> Path:
         """``benchmarks/<name>/``, the study's package."""
