@@ -79,3 +79,12 @@ def test_write_part_refuses_a_block_without_its_end_marker(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="no '<!-- /part w8a8 -->': restore the end marker or delete the block"):
         write_part(path, "w8a8", "table")
     assert path.read_text() == "<!-- part w8a8 -->\nhand edited\n"
+
+
+def test_minilm_sentences_are_read_from_the_repository_tests_data() -> None:
+    """The MiniLM studies (minilm, auto) read their sentences from tests/data wherever the harness module lives."""
+    from benchmarks.minilm import harness
+
+    calibration, held_out = harness.read_sentences("calibration"), harness.read_sentences("eval")
+    assert harness.DATA_DIR == BENCHMARKS.parent / "tests" / "data"
+    assert len(calibration) == 64 and len(held_out) == 200 and not set(calibration) & set(held_out)

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: Folder of the text sets.
-DATA_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "tests" / "data"  # the repository root's tests/data
 #: Every sentence is padded / truncated to this many tokens (the exported graphs have a fixed sequence length).
 SEQ_LEN = 48
 
