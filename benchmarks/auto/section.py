@@ -46,11 +46,8 @@ def _minilm(settings: Settings, section: SectionResult) -> None:
     if reason is not None:
         section.notes.append(f"MiniLM not run: {reason}")
         return
-    model, tokenizer = H.load_minilm()
-    cal = H.encode(tokenizer, H.read_sentences("calibration"))
-    ev = H.encode(tokenizer, H.read_sentences("eval"))
-    reference = H.torch_embed(model, ev)
-    example, batches = (cal.input_ids[:2], cal.attention_mask[:2]), cal.batches(CALIB_BATCH)
+    model, _, cal, ev, reference, example = H.minilm_setup()
+    batches = cal.batches(CALIB_BATCH)
     work = settings.work_dir / "auto_minilm"
     work.mkdir(parents=True, exist_ok=True)
     fp32 = minilm_peers.export_float(model, example, work / "fp32.onnx")

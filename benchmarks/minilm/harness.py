@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -125,6 +126,27 @@ def torch_embed(model: nn.Module, data: Encoded, batch_size: int = 50) -> np.nda
     """Embeddings of ``data`` computed by a torch module, float32 ``(n, dim)``."""
     with torch.no_grad():
         return np.concatenate([model(ids, mask).float().numpy() for ids, mask in data.batches(batch_size)])
+
+
+class MiniLMSetup(NamedTuple):
+    """What every MiniLM measurement starts from: the fp32 model and tokenizer, the encoded calibration and
+    held-out sentences, the fp32 embeddings of the held-out ones and the capture example (2 calibration rows)."""
+
+    model: MiniLMEmbedder
+    tokenizer: object
+    calibration: Encoded
+    evaluation: Encoded
+    reference: np.ndarray
+    example: tuple[Tensor, Tensor]
+
+
+def minilm_setup() -> MiniLMSetup:
+    """:func:`load_minilm`, both sentence splits encoded, the fp32 reference embeddings and the capture example."""
+    model, tokenizer = load_minilm()
+    calibration = encode(tokenizer, read_sentences("calibration"))
+    evaluation = encode(tokenizer, read_sentences("eval"))
+    example = (calibration.input_ids[:2], calibration.attention_mask[:2])
+    return MiniLMSetup(model, tokenizer, calibration, evaluation, torch_embed(model, evaluation), example)
 
 
 def session(path: Path, threads: int = 1) -> object:

@@ -45,11 +45,7 @@ def run(algorithms: tuple[str, ...], blocks: tuple[int, ...], schemes: tuple[str
         embeddings: tuple[bool, ...]) -> list[dict[str, object]]:
     """Measure every combination; returns one dict per row."""
     torch.manual_seed(0)
-    model, tokenizer = H.load_minilm()
-    calib = H.encode(tokenizer, H.read_sentences("calibration"))
-    evaluation = H.encode(tokenizer, H.read_sentences("eval"))
-    reference = H.torch_embed(model, evaluation)
-    example = (calib.input_ids[:2], calib.attention_mask[:2])
+    model, _, calib, evaluation, reference, example = H.minilm_setup()
     rows = []
     for block in blocks:
         for int4_embeddings in embeddings:

@@ -35,11 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run_part(args: argparse.Namespace, write: Callable[[str], None]) -> int:
     """Quantize with every peer at every block size, measure in onnxruntime, ``write`` the table."""
-    model, tokenizer = H.load_minilm()
-    calib = H.encode(tokenizer, H.read_sentences("calibration"))
-    evaluation = H.encode(tokenizer, H.read_sentences("eval"))
-    reference = H.torch_embed(model, evaluation)
-    example = (calib.input_ids[:2], calib.attention_mask[:2])
+    model, _, calib, evaluation, reference, example = H.minilm_setup()
     lines = ["| peer | block | mean cos | min cos | top-5 | build s |", "|---|---:|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

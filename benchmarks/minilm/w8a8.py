@@ -83,11 +83,7 @@ def run(quick: bool) -> str:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(2)
-    model, tokenizer = H.load_minilm()
-    cal = H.encode(tokenizer, H.read_sentences("calibration"))
-    ev = H.encode(tokenizer, H.read_sentences("eval"))
-    reference = H.torch_embed(model, ev)
-    example = (cal.input_ids[:2], cal.attention_mask[:2])
+    model, _, cal, ev, reference, example = H.minilm_setup()
     batches = cal.batches(CALIB_BATCH)
     extra: list[str] = []
     rows: list[_Row] = []

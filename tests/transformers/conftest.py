@@ -16,7 +16,5 @@ def setup():  # noqa: ANN201
     if reason is not None:
         pytest.fail(f"the MiniLM test needs the bench extra: {reason}")
     warnings.filterwarnings("ignore")
-    model, tokenizer = H.load_minilm()
-    cal = H.encode(tokenizer, H.read_sentences("calibration"))
-    ev = H.encode(tokenizer, H.read_sentences("eval"))
-    return model, cal, ev, H.torch_embed(model, ev)
+    model, _, cal, ev, reference, _ = H.minilm_setup()
+    return model, cal, ev, reference
