@@ -41,6 +41,20 @@ class _TokenMlp(nn.Module):
         return self.head(x).mean(dim=1)
 
 
+def _rewrite_checked(model: onnx.ModelProto, expected_rewrites: int
+                     ) -> tuple[onnx.ModelProto, collections.Counter[str]]:
+    """A copy of ``model`` after linears_to_gemm + collapse_reshapes, checked, and its op counts.
+
+    Checks: ``expected_rewrites`` linears rewritten, no near miss, a valid model.
+    """
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    report = apply(rewritten, [RULE, CollapseReshapes()])
+    assert report.counts[RULE.name] == expected_rewrites and not report.skipped
+    onnx.checker.check_model(rewritten, full_check=True)
+    return rewritten, collections.Counter(n.op_type for n in rewritten.graph.node)
+
+
 def _op_counts(path: Path) -> collections.Counter[str]:
     return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
 
@@ -134,12 +148,7 @@ def test_rewrite_is_value_identical_for_any_leading_shape(tmp_path: Path, lead_n
                                                          output_q: bool) -> None:
     lead, concrete_leads = LEADS[lead_name]
     model = _linear_graph(lead, bias, output_q)
-    rewritten = onnx.ModelProto()
-    rewritten.CopyFrom(model)
-    report = apply(rewritten, [RULE, CollapseReshapes()])
-    assert report.counts[RULE.name] == 1 and not report.skipped
-    onnx.checker.check_model(rewritten, full_check=True)
-    ops = collections.Counter(n.op_type for n in rewritten.graph.node)
+    rewritten, ops = _rewrite_checked(model, expected_rewrites=1)
     assert ops["Gemm"] == 1 and ops["MatMul"] == 0 and ops["Add"] == 0
     symbolic = sum(isinstance(d, str) for d in lead)
     assert ops["Shape"] == (1 if symbolic > 1 else 0)  # leading sizes read at run time only when 2+ are symbolic
@@ -240,12 +249,7 @@ def test_two_symbolic_leading_dims_read_one_shape_of_the_input_that_has_them_and
     ``collapse_reshapes`` drops ``lin_q``'s unflatten (``q`` flows into ``lin_2`` as 2-D rows).
     """
     model = _two_layer_graph()
-    rewritten = onnx.ModelProto()
-    rewritten.CopyFrom(model)
-    report = apply(rewritten, [RULE, CollapseReshapes()])
-    assert report.counts[RULE.name] == 3 and not report.skipped
-    onnx.checker.check_model(rewritten, full_check=True)
-    ops = collections.Counter(n.op_type for n in rewritten.graph.node)
+    rewritten, ops = _rewrite_checked(model, expected_rewrites=3)
     assert ops["Gemm"] == 3 and ops["MatMul"] == 0
     assert ops["Shape"] == 1 and ops["Concat"] == 1
     (shape,) = (n for n in rewritten.graph.node if n.op_type == "Shape")
