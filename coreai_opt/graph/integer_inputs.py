@@ -27,12 +27,6 @@ def is_float_tensor(node: object, gm: GraphModule) -> bool:
     return info is not None and info[1].is_floating_point
 
 
-def _input_nodes(node: Node) -> list[Node]:
-    found: list[Node] = []
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
-    return found
-
-
 def integer_input_derived(gm: GraphModule) -> set[Node]:
     """Nodes computed from the integer graph inputs (token positions, masks) and constants only.
 
@@ -41,9 +35,8 @@ def integer_input_derived(gm: GraphModule) -> set[Node]:
     A node with a data input is data; a weighted op (an embedding lookup, a linear) makes data of what it reads;
     otherwise a tensor with a derived input is derived. A rotary embedding's angles ``position · inv_freq`` are
     derived: their range grows with the position, so a range calibrated on prompts of length ``T`` clips every
-    position past ``T``
-    (measured: a Llama-style decoder calibrated on 132 positions scored +0.3 to +0.43 nats per token beyond them
-    in w8a8, +0.002 before).
+    position past ``T`` (measured: a Llama-style decoder calibrated on 132 positions scored +0.3 to +0.43 nats per
+    token beyond them in w8a8, +0.002 before).
     """
     derived: set[Node] = set()
     data: set[Node] = set()
@@ -53,7 +46,7 @@ def integer_input_derived(gm: GraphModule) -> set[Node]:
             continue
         if node.op in ("get_attr", "output") or tensor_info(node) is None:
             continue  # sizes (``tokens.shape[1]``) are neutral: a parameter sliced to the length is data
-        inputs = _input_nodes(node)
+        inputs = node.all_input_nodes
         if any(n in data for n in inputs) or get_meta(node).kind in WEIGHTED_KINDS:
             data.add(node)
         elif any(n in derived for n in inputs):
