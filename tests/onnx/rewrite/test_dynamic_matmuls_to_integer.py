@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from coreai_opt.onnx.rewrite.rules.dynamic_matmuls_to_integer import DynamicMatmulsToInteger
 from coreai_opt.quantization.ops.dynamic_quantize_op import dynamic_quantize_dequantize
 from tests.onnx.onnx_graphs import run
-from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent
+from tests.onnx.rewrite.rule_checks import apply_rule, assert_idempotent, copy
 
 K, N = 32, 24
 RULE = DynamicMatmulsToInteger()
@@ -134,3 +134,18 @@ def test_per_token_block_other_than_k_is_a_near_miss_with_its_reason() -> None:
     before = model.SerializeToString()
     assert apply_rule(model, RULE) == (0, [f"per-token block size {K // 2} is not the product's K = {K}"])
     assert model.SerializeToString() == before
+
+
+def test_per_token_stage_counts_as_one_quantizer_stage_in_the_tolerance() -> None:
+    from coreai_opt.onnx.verify.tolerance import tensor_bounds
+
+    model = _per_token_model()
+    assert apply_rule(model, RULE) == (1, [])
+    exact = tensor_bounds(model)
+    assert exact["q"].quantized and exact["q"].steps == 0  # exact input rows: eager and onnxruntime codes equal
+    assert exact["y"].quantized  # the product behind it is judged as quantized, never at float precision
+    inexact = copy(model)  # the same graph behind an inexact op (Exp): the stage may round one step apart
+    for node in inexact.graph.node:
+        node.input[:] = ["xe" if name == "x" else name for name in node.input]
+    inexact.graph.node.insert(0, helper.make_node("Exp", ["x"], ["xe"]))
+    assert tensor_bounds(inexact)["q"].steps == 1
