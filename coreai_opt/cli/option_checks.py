@@ -75,7 +75,7 @@ def check_opset_for_model(opset: int | None, prepared: fx.GraphModule, console: 
     too_low = [use for use in uses if needed[use] > opset]
     if too_low:
         worst = max(too_low, key=needed.get)
-        what = f"{worst.dtype} {'per-block ' if worst.blocked else ''}quantizer {worst.name!r}"
+        what = f"{worst.dtype} {f'{worst.granularity} ' if worst.blocked else ''}quantizer {worst.name!r}"
         raise CliError(f"--opset {opset} is too low for this model: its {what} needs opset {needed[worst]}; "
                        f"pass --opset {max(needed.values())} or leave --opset out (then {default} is used)")
     if opset < preferred:

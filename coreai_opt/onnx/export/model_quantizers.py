@@ -54,5 +54,7 @@ def quantizer_uses(quantizers: list[nn.Module]) -> list[QuantizerUse]:
         if isinstance(q, BiasFakeQuantize):
             uses.append(QuantizerUse("int32", False, q.name))
         else:
-            uses.append(QuantizerUse(q.spec.dtype, isinstance(q.spec.granularity, (PerBlock, PerToken)), q.name))
+            granularity = q.spec.granularity
+            uses.append(QuantizerUse(q.spec.dtype, isinstance(granularity, (PerBlock, PerToken)), q.name,
+                                     "per-token" if isinstance(granularity, PerToken) else "per-block"))
     return uses

@@ -56,11 +56,13 @@ class QuantizerUse:
         dtype: Quantized dtype name (``"int8"``, ``"float8_e4m3fn"``, internal ``"int32"`` for biases).
         blocked: True for a per-block or per-token granularity (both export a ``block_size``).
         name: The quantizer's name, used in error messages.
+        granularity: The blocked granularity's name for messages (``"per-block"`` or ``"per-token"``).
     """
 
     dtype: str
     blocked: bool
     name: str = ""
+    granularity: str = "per-block"
 
 
 def _dtype_min_opset(use: QuantizerUse) -> int:
@@ -82,7 +84,7 @@ def required_opset(use: QuantizerUse) -> int:
 
 
 def _describe(use: QuantizerUse) -> str:
-    what = f"dtype {use.dtype!r}" + (" with per-block / per-token granularity" if use.blocked else "")
+    what = f"dtype {use.dtype!r}" + (f" with {use.granularity} granularity" if use.blocked else "")
     return f"quantizer {use.name!r} ({what})" if use.name else what
 
 
