@@ -73,6 +73,7 @@ class CorpusRow:
     error: str | None = None
     verify_ok: bool | None = None
     verify_steps: float | None = None  # max |ORT - eager| in output quantization steps (None: float output)
+    verify_reason: str | None = None  # verify not ok: the first failing quantizer, else the failing outputs' reasons
     top1_verify: float | None = None  # ours in ORT vs ours in eager
     decisive_flips: int | None = None  # of those disagreements, the ones that are not near ties (see decisive_flips)
     top1_ours_float: float | None = None  # ours in ORT vs the float model
@@ -235,6 +236,10 @@ def _ours(entry: CorpusModel, model: nn.Module, calib: list[Batch], evals: list[
         return None
     output = report.outputs[0]
     row.verify_ok, row.verify_steps = report.ok, output.max_diff_steps
+    if not report.ok:
+        first = report.first_failing_quantizer
+        row.verify_reason = str(first) if first is not None else "; ".join(
+            f"{o.name}: {o.reason}" for o in report.outputs if not o.ok)
     row.tolerance = output.tolerance
     row.int_ours, row.float_ours = report.fusion.num_integer_compute, report.fusion.num_float_compute
     row.other_int_ours = dict(report.fusion.other_quantized)
