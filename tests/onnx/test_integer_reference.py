@@ -51,19 +51,22 @@ def _codes(rng: np.random.Generator, shape: tuple[int, ...], low: int, high: int
     return rng.integers(low, high + 1, size=shape)
 
 
-@pytest.mark.parametrize("per_channel", [False, True], ids=["per_tensor", "per_channel"])
-def test_qlinearconv_codes_identical_to_onnxruntime_at_every_element_including_ties(per_channel: bool) -> None:
+@pytest.mark.parametrize(("per_channel", "groups"), [(False, 1), (True, 1), (True, 6)],
+                         ids=["per_tensor", "per_channel", "depthwise_per_channel"])
+def test_qlinearconv_codes_identical_to_onnxruntime_at_every_element_including_ties(per_channel: bool,
+                                                                                   groups: int) -> None:
     rng = np.random.default_rng(0)
     xs, x_zp, ys, y_zp = np.float32(0.5), 7, np.float32(0.5), 128
     ws = np.array([0.25, 0.125, 0.5, 0.25, 1.0, 0.0625], np.float32) if per_channel else np.full(6, 0.25, np.float32)
-    xq = _codes(rng, (2, 3, 9, 9), 1, 13).astype(np.uint8)
-    wq = _codes(rng, (6, 3, 3, 3), -6, 6).astype(np.int8)
+    in_channels = 6 if groups > 1 else 3
+    xq = _codes(rng, (2, in_channels, 9, 9), 1, 13).astype(np.uint8)
+    wq = _codes(rng, (6, in_channels // groups, 3, 3), -6, 6).astype(np.int8)
     bias = _codes(rng, (6,), -200, 200).astype(np.int32)
     w_scale = ws if per_channel else ws[:1].reshape(())
     init = {"xs": np.array(xs), "xz": np.array(x_zp, np.uint8), "w": wq, "ws": w_scale,
             "wz": np.zeros(w_scale.shape, np.int8), "ys": np.array(ys), "yz": np.array(y_zp, np.uint8), "b": bias}
     node = helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["y"],
-                            pads=[1, 1, 1, 1], strides=[2, 2])
+                            pads=[1, 1, 1, 1], strides=[2, 2], group=groups)
     got = _run_onnx(node, {"x": xq}, init, [2, 6, 5, 5])
 
     x = torch.tensor((xq.astype(np.float32) - x_zp) * xs)
@@ -76,15 +79,16 @@ def test_qlinearconv_codes_identical_to_onnxruntime_at_every_element_including_t
         wd = _qdq(w, scale_w, torch.zeros(scale_w.shape, dtype=torch.int32), -127, 127, 0, 0, "int8")
         bd = _qdq(b_float, torch.tensor(xs) * scale_w, torch.zeros(scale_w.shape, dtype=torch.int32),
                   -(2**31), 2**31 - 1, 0, 0, "int32")
-        y = torch.nn.functional.conv2d(xd, wd, bd, stride=2, padding=1)
+        y = torch.nn.functional.conv2d(xd, wd, bd, stride=2, padding=1, groups=groups)
         return _qdq(y, torch.tensor(ys), torch.tensor(y_zp), 0, 255, 1, 0, "uint8")
 
     eager, replaced = _eager_codes(forward, {3}, float(ys), y_zp)
     acc = torch.nn.functional.conv2d(torch.tensor(xq.astype(np.float64) - x_zp), torch.tensor(wq, dtype=torch.float64),
-                                     torch.tensor(bias, dtype=torch.float64), stride=2, padding=1).numpy()
+                                     torch.tensor(bias, dtype=torch.float64), stride=2, padding=1,
+                                     groups=groups).numpy()
     ties = _ties(acc, (xs * ws / ys).reshape(1, 6, 1, 1))
     assert replaced == {3}
-    assert ties > 30  # a quarter of the accumulators or more sit on a tie
+    assert ties > 20  # about a quarter of the accumulators sit on a tie
     assert np.array_equal(eager, got.astype(np.int64))
 
 
