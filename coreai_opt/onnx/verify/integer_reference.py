@@ -17,16 +17,18 @@ quantizer), a different summation order: codes differ at rounding ties, and a de
 it is given: it remembers the scale of every ``coreai_opt::quantize_dequantize`` output (views of it too, e.g. the
 transposed weight of a linear), and the exact int32 codes of every derived bias; at ``aten.convolution`` /
 ``addmm`` / ``mm`` / ``bmm`` (and a bias ``add`` after a matrix product) whose operands are such outputs it
-accumulates ``acc`` exactly in float64 (every partial sum is an integer below ``2**53``: exact at any ``K`` these
-models have); at a chosen quantizer call reading that accumulator (through views and ``relu``) it returns the
-requantised codes above, dequantized as the op does (``(q - z) · s`` in float32), so every later layer reads the
-codes onnxruntime computes. Anything it does not recognise (per-block or 16-bit scales, float bias, a transposed
-convolution, a per-channel activation scale) is left to the float eager computation, and the call is not listed in
+records how to accumulate ``acc``; at a chosen quantizer call reading that accumulator (through views and ``relu``)
+it accumulates it exactly in float64 (every partial sum is an integer below ``2**53``: exact at any ``K`` these
+models have; nothing is computed for layers no chosen quantizer reads) and returns the requantised codes above,
+dequantized as the op does (``(q - z) · s`` in float32), so every later layer reads the codes onnxruntime
+computes. Anything it does not recognise (per-block or 16-bit scales, float bias, a transposed convolution, a
+per-channel activation scale) is left to the float eager computation, and the call is not listed in
 :attr:`IntegerReference.replaced`: its quantizer is judged by the float-kernel rules.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,10 +69,13 @@ class _Scaled:
 
 @dataclass(frozen=True)
 class _Accumulator:
-    """The exact int32 accumulator of an integer layer: ``acc`` (float64), the float32 ``x_scale · w_scale``."""
+    """The exact int32 accumulator of an integer layer, computed only when a chosen quantizer reads it.
 
-    acc: torch.Tensor
-    product_scale: torch.Tensor  # float32, 0-d or broadcast to acc's shape (per output channel)
+    ``compute()`` returns ``(acc, product_scale)``: ``acc`` float64, the float32 ``x_scale · w_scale`` 0-d or
+    broadcast to ``acc``'s shape (per output channel), with every view since the layer applied to both.
+    """
+
+    compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     relu: bool = False
 
 
@@ -137,6 +142,8 @@ class IntegerReference(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204, D105
         kwargs = kwargs or {}
+        if not self.calls:  # no integer kernel in the file (16-bit, float8, weight-only): plain eager
+            return func(*args, **kwargs)
         if func is _QDQ:
             return self._quantize(args, func(*args, **kwargs))
         result = func(*args, **kwargs)
@@ -152,8 +159,7 @@ class IntegerReference(TorchDispatchMode):
         elif packet is _aten.add and len(args) == 2 and isinstance(args[1], torch.Tensor) and not kwargs:
             self._add_bias(args[0], args[1], result)
         elif packet is _aten.relu and args[0] in self.accumulators:
-            tag = self.accumulators[args[0]]
-            self.accumulators[result] = _Accumulator(tag.acc, tag.product_scale, True)
+            self.accumulators[result] = _Accumulator(self.accumulators[args[0]].compute, True)
         return result
 
     def _quantize(self, args: tuple, result: torch.Tensor) -> torch.Tensor:  # noqa: ANN401
@@ -163,9 +169,14 @@ class IntegerReference(TorchDispatchMode):
             return result
         if index in self.calls and x in self.accumulators and scale.dim() == 0:
             tag = self.accumulators[x]
-            codes = requantize(tag.acc, tag.product_scale, scale, zero_point, quant_min, quant_max, tag.relu)
-            result = (codes - zero_point.float()).mul_(scale)
-            self.replaced.add(index)
+            try:
+                acc, product = tag.compute()
+            except RuntimeError:  # a view the accumulator's tensors cannot take: the float eager result stays
+                acc = None
+            if acc is not None:
+                codes = requantize(acc, product, scale, zero_point, quant_min, quant_max, tag.relu)
+                result = (codes - zero_point.float()).mul_(scale)
+                self.replaced.add(index)
         if scale.dim() == 0:
             full = scale.detach()
         else:
@@ -181,14 +192,17 @@ class IntegerReference(TorchDispatchMode):
         """A view of a tagged tensor carries the tag, moved the same way."""
         source = args[0]
         outputs = result if isinstance(result, (list, tuple)) else (result,)
-        for table, move in ((self.scaled, self._move_scaled), (self.accumulators, self._move_accumulator)):
-            if source in table:
-                try:
-                    moved = move(table[source], func, args, kwargs)
-                except RuntimeError:  # a view the tag's tensors cannot take: leave the result untagged
-                    return
-                for out, tag in zip(outputs, moved, strict=True):
-                    table[out] = tag
+        if source in self.scaled:
+            try:
+                moved = self._move_scaled(self.scaled[source], func, args, kwargs)
+            except RuntimeError:  # a view the tag's tensors cannot take: leave the result untagged
+                return
+            for out, tag in zip(outputs, moved, strict=True):
+                self.scaled[out] = tag
+        if source in self.accumulators:
+            tag = self.accumulators[source]
+            for i, out in enumerate(outputs):
+                self.accumulators[out] = _Accumulator(self._move_accumulator(tag, func, args, kwargs, i), tag.relu)
 
     @staticmethod
     def _moved(tensor: torch.Tensor, func, args: tuple, kwargs: dict) -> list[torch.Tensor]:  # noqa: ANN001
@@ -204,12 +218,14 @@ class IntegerReference(TorchDispatchMode):
             scales = scales * len(codes)
         return [_Scaled(s, c) for s, c in zip(scales, codes, strict=True)]
 
-    def _move_accumulator(self, tag: _Accumulator, func, args: tuple, kwargs: dict) -> list[_Accumulator]:  # noqa: ANN001
-        accs = self._moved(tag.acc, func, args, kwargs)
-        scales = self._moved(tag.product_scale, func, args, kwargs)
-        if len(scales) == 1 and len(accs) > 1:
-            scales = scales * len(accs)
-        return [_Accumulator(a, s, tag.relu) for a, s in zip(accs, scales, strict=True)]
+    def _move_accumulator(self, tag: _Accumulator, func, args: tuple, kwargs: dict,  # noqa: ANN001
+                          index: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            acc, product = tag.compute()
+            accs = self._moved(acc, func, args, kwargs)
+            scales = self._moved(product, func, args, kwargs)
+            return accs[index], scales[index if len(scales) > 1 else 0]
+        return compute
 
     def _per_tensor(self, t: object) -> _Scaled | None:
         tag = self.scaled.get(t) if isinstance(t, torch.Tensor) else None
@@ -227,13 +243,14 @@ class IntegerReference(TorchDispatchMode):
         b = self._bias_codes(bias) if bias is not None else torch.zeros(())
         if b is None:
             return
-        acc = _exact_convolution(x_tag.integers(x), w_tag.integers(w), stride, padding, dilation, groups)
-        shape = [1, -1] + [1] * (acc.dim() - 2)
-        acc = acc + b.reshape(shape if b.dim() else ())
-        w_scale = w_tag.scale.reshape(w.shape[0], -1)[:, 0] if w_tag.scale.dim() else w_tag.scale
-        product = (x_tag.scale.float() * w_scale.float())
-        product = product.reshape(shape).expand(acc.shape) if product.dim() else product
-        self.accumulators[result] = _Accumulator(acc, product)
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            acc = _exact_convolution(x_tag.integers(x), w_tag.integers(w), stride, padding, dilation, groups)
+            shape = [1, -1] + [1] * (acc.dim() - 2)
+            acc = acc + b.reshape(shape if b.dim() else ())
+            w_scale = w_tag.scale.reshape(w.shape[0], -1)[:, 0] if w_tag.scale.dim() else w_tag.scale
+            product = (x_tag.scale.float() * w_scale.float())
+            return acc, product.reshape(shape).expand(acc.shape) if product.dim() else product
+        self.accumulators[result] = _Accumulator(compute)
 
     def _matmul(self, a: object, b: object, bias: object, result: torch.Tensor) -> None:
         a_tag = self._per_tensor(a)
@@ -243,16 +260,22 @@ class IntegerReference(TorchDispatchMode):
         codes = self._bias_codes(bias) if bias is not None else torch.zeros(())
         if codes is None:
             return
-        acc = torch.matmul(a_tag.integers(a), b_tag.integers(b)) + codes.double()
         # the weight's scale runs along the output columns (its last axis); the activation's is one number
         b_scale = b_tag.scale[..., :1, :] if b_tag.scale.dim() else b_tag.scale
         if b_tag.scale.dim() and not torch.equal(b_scale.expand(b_tag.scale.shape), b_tag.scale):
             return  # a scale that varies along K is no per-output-channel weight scale
-        product = a_tag.scale.float() * b_scale.float()
-        self.accumulators[result] = _Accumulator(acc, product.expand(acc.shape) if product.dim() else product)
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor]:
+            acc = torch.matmul(a_tag.integers(a), b_tag.integers(b)) + codes.double()
+            product = a_tag.scale.float() * b_scale.float()
+            return acc, product.expand(acc.shape) if product.dim() else product
+        self.accumulators[result] = _Accumulator(compute)
 
     def _add_bias(self, x: object, bias: torch.Tensor, result: torch.Tensor) -> None:
         tag = self.accumulators.get(x) if isinstance(x, torch.Tensor) else None
         codes = self._bias_codes(bias)
         if tag is not None and codes is not None and not tag.relu:
-            self.accumulators[result] = _Accumulator(tag.acc + codes.double(), tag.product_scale)
+            def compute() -> tuple[torch.Tensor, torch.Tensor]:
+                acc, product = tag.compute()
+                return acc + codes.double(), product
+            self.accumulators[result] = _Accumulator(compute)
