@@ -147,3 +147,24 @@ def test_qlinearmatmul_of_two_activations_codes_identical_to_onnxruntime_includi
     assert replaced == {2}
     assert _ties(acc, as_ * bs / ys) > 15
     assert np.array_equal(eager, got.astype(np.int64))
+
+
+def test_split_of_a_per_tensor_quantized_activation_keeps_every_piece_exact() -> None:
+    """Attention splits one quantized qkv tensor in three (aten.split): each piece still feeds an exact matmul."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 6, 24)
+
+    def forward() -> torch.Tensor:
+        x = _qdq(qkv, torch.tensor(0.05), torch.tensor(128), 0, 255, 1, 0, "uint8")
+        q, k, _ = x.split(8, dim=-1)
+        return _qdq(q @ k.transpose(-1, -2), torch.tensor(0.01), torch.tensor(128), 0, 255, 1, 0, "uint8")
+
+    reference = IntegerReference({1})
+    with torch.no_grad(), reference:
+        y = forward()
+    codes = torch.round(qkv / 0.05).clamp(-128, 127).double()
+    q, k = codes[..., :8], codes[..., 8:16]
+    expected = ((q @ k.transpose(-1, -2)).float() * (torch.tensor(0.05) * torch.tensor(0.05) / torch.tensor(0.01))
+                ).clamp(-128, 127).round()
+    assert reference.replaced == {1}
+    assert torch.equal(torch.round(y / 0.01), expected)

@@ -197,6 +197,10 @@ class IntegerReference(TorchDispatchMode):
                 moved = self._move_scaled(self.scaled[source], func, args, kwargs)
             except RuntimeError:  # a view the tag's tensors cannot take: leave the result untagged
                 return
+            if len(moved) == 1 and len(outputs) > 1:  # a per-tensor scale split with its tensor: every piece
+                moved = moved * len(outputs)
+            if len(moved) != len(outputs):
+                return
             for out, tag in zip(outputs, moved, strict=True):
                 self.scaled[out] = tag
         if source in self.accumulators:
@@ -224,6 +228,8 @@ class IntegerReference(TorchDispatchMode):
             acc, product = tag.compute()
             accs = self._moved(acc, func, args, kwargs)
             scales = self._moved(product, func, args, kwargs)
+            if len(accs) <= index:
+                raise RuntimeError(f"{func} gave {len(accs)} pieces of the accumulator, not {index + 1}")
             return accs[index], scales[index if len(scales) > 1 else 0]
         return compute
 
