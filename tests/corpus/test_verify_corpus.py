@@ -26,13 +26,9 @@ pytestmark = pytest.mark.corpus
 
 _MUTATION_OPTIONS = RunOptions(eval_batches=2)
 
-#: Output-changing defects verify_onnx misses today, with the measured cause (benchmarks/verify/RESULTS.md).
-KNOWN_MISSES: dict[str, str] = {
-    "timm-resnet18": "bias_x1.10 on layer3.0.conv1 moves 6.8 % of its output codes (mean +0.0085: the bias has both "
-                     "signs per channel) and the output by 4 steps, as much as the clean file differs from eager "
-                     "(4 steps, 16 % of codes differ at its quantizer already); the bias rule is off above 1 % "
-                     "upstream mismatch and the mismatch allowance grows past 40 % there",
-}
+#: Output-changing defects verify_onnx misses today, with the measured cause (benchmarks/verify/RESULTS.md). Empty:
+#: timm-resnet18 bias_x1.10 (the last one) is flagged since the eager reference computes QLinearConv integer-exactly.
+KNOWN_MISSES: dict[str, str] = {}
 
 
 def _mutation_params() -> list[object]:

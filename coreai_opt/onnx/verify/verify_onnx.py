@@ -19,7 +19,10 @@ its :class:`OutputComparison` and in ``str(report)``:
 Inside the graph, every activation quantizer is judged on the first batch
 (:mod:`coreai_opt.onnx.verify.quantizer_codes`): the file's scale and zero point must equal eager's, and the codes
 onnxruntime computes must differ from eager's only as rounding does (sparse ±1 flips at ties, as many up as down,
-no more than the kernels before the quantizer and the differences it inherits explain).
+no more than the kernels before the quantizer and the differences it inherits explain). Where onnxruntime runs
+``QLinearConv`` / ``QGemm`` / ``QLinearMatMul``, the eager reference computes that layer with the kernel's integer
+arithmetic (:mod:`coreai_opt.onnx.verify.integer_reference`), so those codes must be identical (rule class
+``integer-exact``: 0 steps, 0 differing codes, when the quantizers it reads agree).
 :attr:`VerificationReport.quantizers` holds each quantizer's statistics and the rule that judged it; ``ok`` needs
 every quantizer to pass as well as every output. An activation quantizer eager calls that no node of the file was
 traced from (a dropped Q/DQ pair) fails as ``missing``. An output with a class or vocabulary axis (``[N, C]``, or
