@@ -16,8 +16,8 @@ STUDY_FOLDERS = sorted(p.parent.name for p in BENCHMARKS.glob("*/__init__.py") i
 
 def test_the_registry_holds_every_study_folder_and_names_each_by_its_folder() -> None:
     assert sorted(run.STUDIES) == STUDY_FOLDERS == [
-        "audit", "auto", "comparison", "corpus", "demo", "llm", "llm_quality", "llm_speed", "matmul_nbits",
-        "memory", "minilm", "sweep", "verify"]
+        "audit", "auto", "comparison", "corpus", "demo", "llm", "llm_memory", "llm_quality", "llm_speed",
+        "matmul_nbits", "memory", "minilm", "sweep", "verify"]
     for name, study in run.STUDIES.items():
         assert study.name == name
         assert study.results == BENCHMARKS / name / "RESULTS.md"
