@@ -23,6 +23,7 @@ of the model at that depth; a least-squares line ``peak_bytes = a + b * layers``
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import resource
 import shutil
@@ -46,6 +47,8 @@ RESULTS = BENCHMARKS / "llm_memory" / "RESULTS.md"
 TINYLLAMA = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
              "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}
 FULL_LAYERS = 22
+#: ``--trim``: after each stage, hand the allocator's free heap back (glibc ``malloc_trim(0)``) and record the RSS.
+_TRIM = {"on": False}
 STAGES = ("load", "prepare", "calibrate", "convert", "export", "verify", "genai files")
 PROMPTS, PROMPT_CHARS = 8, 400
 
@@ -59,6 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rss-gb", type=float, default=12.0, help="stop a child above this RSS (default 12)")
     parser.add_argument("--output", type=Path, default=RESULTS.with_name("RESULTS.raw.jsonl"),
                         help="append one JSON line per child here (RESULTS.md is written by hand from them)")
+    parser.add_argument("--trim", action="store_true", help="malloc_trim(0) after each stage and record the RSS "
+                        "then (tells freed-but-kept heap from live memory)")
     parser.add_argument("--child", nargs=4, metavar=("ROUTE", "PRESET", "FOLDER", "OUT"), help=argparse.SUPPRESS)
 
 
@@ -83,9 +88,12 @@ def _stage(sampler: Any, stage: str, fn: Callable[[], Any], report: dict[str, An
     with log.open("a") as f:
         f.write(f"{time.strftime('%H:%M:%S')} start {stage} rss {sampler.process.memory_info().rss / 1e9:.2f} GB\n")
     result = sampler.run(stage, fn, report)
+    if _TRIM["on"]:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        report[stage]["trimmed"] = sampler.process.memory_info().rss
     with log.open("a") as f:
         f.write(f"{time.strftime('%H:%M:%S')} end {stage} peak {report[stage]['peak'] / 1e9:.2f} GB "
-                f"{report[stage]['where'][-2:]}\n")
+                f"{report[stage]['where'][-2:]} trimmed {report[stage].get('trimmed', 0) / 1e9:.2f} GB\n")
     return result
 
 
@@ -172,9 +180,10 @@ def child(route: str, preset: str, folder: Path, out: Path) -> dict[str, Any]:
     return report
 
 
-def _spawn(route: str, preset: str, folder: Path, out: Path, max_rss: float) -> dict[str, Any]:
+def _spawn(route: str, preset: str, folder: Path, out: Path, max_rss: float, trim: bool) -> dict[str, Any]:
     """Run one child; poll its RSS every 0.5 s and stop it (its pid only) above ``max_rss`` bytes."""
     command = [sys.executable, "-m", "benchmarks.run", "llm_memory", "--child", route, preset, str(folder), str(out)]
+    command += ["--trim"] if trim else []
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True)
         watched, highest = psutil.Process(proc.pid), 0
@@ -256,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     """Every (depth, route) in a fresh child, one at a time; JSON lines into ``--output``, the table to stdout."""
     if args.child:
         route, preset, folder, out = args.child
+        _TRIM["on"] = args.trim
         print(json.dumps(child(route, preset, Path(folder), Path(out))), flush=True)
         return 0
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="coreai_opt_llm_memory_"))
@@ -266,11 +276,15 @@ def run(args: argparse.Namespace) -> int:
             out = work / f"layers{layers}" / route
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
-            row = {**_spawn(route, args.preset, folder, out, args.max_rss_gb * 1e9), "layers": layers}
+            row = {**_spawn(route, args.preset, folder, out, args.max_rss_gb * 1e9, args.trim), "layers": layers}
             rows.append(row)
             with args.output.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
-            shutil.rmtree(out, ignore_errors=True)
+            for written in out.iterdir():  # the files (GBs); stages.log stays to read
+                if written.is_dir():
+                    shutil.rmtree(written)
+                elif written.name != "stages.log":
+                    written.unlink()
     print(table(rows) + "\n" + extrapolation(rows))
     return 0
