@@ -16,6 +16,7 @@ Usage::
     python -m benchmarks.run llm [--quick]                           # 8 decoder families x 3 presets
     python -m benchmarks.run llm_quality                             # perplexity of a trained LM vs the genai builder
     python -m benchmarks.run llm_speed --rounds 20 --profile          # w4 KV-cache decoder vs genai's builder
+    python -m benchmarks.run llm_memory --layers 1 2 4                # 1.1 B-wide w4 decoder: peak RSS, CLI vs API
     python -m benchmarks.run NAME --help                             # a study's options
 
 Each study lives in ``benchmarks/<NAME>/`` and writes one results file there, ``benchmarks/<NAME>/RESULTS.md``
@@ -36,6 +37,7 @@ from benchmarks import (
     corpus,
     demo,
     llm,
+    llm_memory,
     llm_quality,
     llm_speed,
     matmul_nbits,
@@ -63,6 +65,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     audit.STUDY,
     llm_quality.STUDY,
     llm_speed.STUDY,
+    llm_memory.STUDY,
 )}
 
 

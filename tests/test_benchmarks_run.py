@@ -16,8 +16,8 @@ STUDY_FOLDERS = sorted(p.parent.name for p in BENCHMARKS.glob("*/__init__.py") i
 
 def test_the_registry_holds_every_study_folder_and_names_each_by_its_folder() -> None:
     assert sorted(run.STUDIES) == STUDY_FOLDERS == [
-        "audit", "auto", "comparison", "corpus", "demo", "llm", "llm_quality", "llm_speed", "matmul_nbits",
-        "memory", "minilm", "sweep", "verify"]
+        "audit", "auto", "comparison", "corpus", "demo", "llm", "llm_memory", "llm_quality", "llm_speed",
+        "matmul_nbits", "memory", "minilm", "sweep", "verify"]
     for name, study in run.STUDIES.items():
         assert study.name == name
         assert study.results == BENCHMARKS / name / "RESULTS.md"
@@ -59,8 +59,8 @@ def test_only_run_py_is_an_entry_point() -> None:
 def test_every_results_file_sits_in_its_study_folder() -> None:
     found = sorted(str(p.relative_to(BENCHMARKS)) for p in BENCHMARKS.rglob("RESULTS*.md"))
     assert found == ["audit/RESULTS.md", "auto/RESULTS.md", "comparison/RESULTS.md", "llm/RESULTS.md",
-                     "llm_quality/RESULTS.md", "llm_speed/RESULTS.md", "memory/RESULTS.md", "minilm/RESULTS.md",
-                     "sweep/RESULTS.md", "verify/RESULTS.md"]
+                     "llm_memory/RESULTS.md", "llm_quality/RESULTS.md", "llm_speed/RESULTS.md", "memory/RESULTS.md",
+                     "minilm/RESULTS.md", "sweep/RESULTS.md", "verify/RESULTS.md"]
 
 
 def test_write_part_replaces_only_its_own_block(tmp_path: Path) -> None:

@@ -8,10 +8,11 @@ that rule that does not touch the graph: given the ``DequantizeLinear``'s consta
 be written (a near-miss reason) or returns the packed inputs.
 
 The weight ``W`` is ``[K, N]`` (``MatMul``'s ``B``) or ``[N, K]`` (behind a ``Transpose``, or ``Gemm`` with
-``transB=1``). Its scale (and zero point) is expanded to ``W``'s shape, turned to ``[N, K]`` and read once per
-block: a blocked weight keeps its block (blocks must run along ``K``); a per-output-channel or per-tensor one gets
-the block of :func:`~coreai_opt.quantization.spec.matmul_compute.matmul_nbits_block_size`. The dequantized
-weight is bit-identical (``(q − z) · s`` with the same float32 scale per element).
+``transB=1``). Its scale (and zero point) is read once per ``MatMulNBits`` block, at the block's first element
+along ``K`` (never expanded to ``W``'s shape: for a 32000 x 2048 head that was a float32 and an int64 copy of the
+weight, issue 32): a blocked weight keeps its block (blocks must run along ``K``); a per-output-channel or
+per-tensor one gets the block of :func:`~coreai_opt.quantization.spec.matmul_compute.matmul_nbits_block_size`.
+The dequantized weight is bit-identical (``(q − z) · s`` with the same float32 scale per element).
 """
 
 from __future__ import annotations
@@ -64,12 +65,23 @@ class WeightDQ:
     transposed: bool
 
 
-def _expand(value: np.ndarray, shape: tuple[int, int], axis: int, block_size: int) -> np.ndarray:
-    if block_size > 0:
-        return np.repeat(value, block_size, axis=axis)[: shape[0], : shape[1]]
-    if value.size == 1:
-        return np.broadcast_to(value.reshape(()), shape)
-    return value.reshape([-1, 1] if axis == 0 else [1, -1]) * np.ones(shape, value.dtype)
+def _per_block(value: np.ndarray, shape: tuple[int, int], axis: int, block_size: int, k_axis: int,
+               block: int) -> np.ndarray:
+    """``value`` (a DQ scale or zero point) at every ``block``-th element along ``K``, as ``[N, ceil(K / block)]``.
+
+    Equals the value expanded to ``shape`` (``np.repeat`` by ``block_size`` along ``axis``, or broadcast) and read
+    at ``K`` indices ``0, block, 2·block, ...``, without building the expansion.
+    """
+    first = np.arange(0, shape[k_axis], block)
+    if block_size > 0:  # blocked along axis == k_axis (checked by _block_of)
+        sampled = np.take(value, first // block_size, axis=axis)
+    else:
+        reduced = (len(first), shape[1]) if k_axis == 0 else (shape[0], len(first))
+        if value.size == 1:
+            sampled = np.full(reduced, value.reshape(()), value.dtype)
+        else:
+            sampled = np.broadcast_to(value.reshape([-1, 1] if axis == 0 else [1, -1]), reduced)
+    return np.ascontiguousarray(sampled if k_axis == 1 else sampled.T)
 
 
 def _block_of(weight: WeightDQ, k: int, compute: str) -> int | str:
@@ -108,14 +120,11 @@ def pack_weight(weight: WeightDQ, compute: str, marker_block: int | None = None)
     if get_matmul_compute(compute).quantizes_activation and marker_block != block:
         return (f"the eager model quantized the input in blocks of {marker_block}, the weight is written in blocks "
                 f"of {block}")
-    shape = weight.data.shape
-    scale = _expand(weight.scale, shape, weight.axis % 2, weight.block_size)
-    zero = None if weight.zero_point is None else _expand(weight.zero_point.astype(np.int64), shape,
-                                                          weight.axis % 2, weight.block_size)
-    if not weight.transposed:
-        scale, zero = scale.T, None if zero is None else zero.T
-    return pack_matmul_nbits(q.astype(np.int64), np.ascontiguousarray(scale[:, ::block]),
-                             None if zero is None else np.ascontiguousarray(zero[:, ::block]), bits, signed, block)
+    shape, axis, k_axis = weight.data.shape, weight.axis % 2, 1 if weight.transposed else 0
+    scale = _per_block(weight.scale, shape, axis, weight.block_size, k_axis, block)
+    zero = None if weight.zero_point is None else _per_block(weight.zero_point.astype(np.int64), shape, axis,
+                                                             weight.block_size, k_axis, block)
+    return pack_matmul_nbits(q, scale, zero, bits, signed, block)
 
 
 def matmul_nbits_node(packed: PackedMatMulNBits, a: str, names: tuple[str, str, str | None], output: str,

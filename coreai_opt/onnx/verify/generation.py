@@ -4,6 +4,12 @@ Both run the same loop: prefill the prompt with an empty cache (past length 0), 
 position's logits, then feed that one token with the previous step's ``present`` tensors as the past, ``count``
 times. :func:`compare_greedy` reports, per prompt, the first step where the two token streams part (None when
 identical) and the top-2 logit margin of the eager model there (a small margin marks a near-tie).
+
+Memory (issue 32, Scale): the eager steps run the
+:func:`~coreai_opt.passes.sink_weight_quantizers.eager_order` view of the converted model, which fake-quantizes
+each weight right before its layer (a ``torch.export`` graph quantizes every weight at its top: one extra float
+copy of the weights alive at once), and all of them run before the onnxruntime session opens, so the eager
+temporaries and the session's weights are never resident together.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 from torch import nn
+
+from coreai_opt.passes.sink_weight_quantizers import eager_order
 
 __all__ = ["GenerationReport", "greedy_tokens", "compare_greedy", "eager_step", "ort_step", "Step"]
 
@@ -112,12 +120,13 @@ def compare_greedy(model: nn.Module, path: str | os.PathLike[str], prompts: Sequ
         empty_past: The past of a prefill, ``DecoderWithCache.empty_cache(1)``.
         count: Tokens to generate per prompt.
     """
+    past = [t.numpy() for t in empty_past]
+    step = eager_step(eager_order(model))
+    eager = [greedy_tokens(step, p.numpy(), past, count) for p in prompts]
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    past = [t.numpy() for t in empty_past]
-    runs = [(greedy_tokens(ort_step(session), p.numpy(), past, count),
-             greedy_tokens(eager_step(model), p.numpy(), past, count)) for p in prompts]
+    runs = [(greedy_tokens(ort_step(session), p.numpy(), past, count), e) for p, e in zip(prompts, eager, strict=True)]
     firsts: list[int | None] = []
     margins: list[float | None] = []
     for (ours, _), (theirs, logits) in runs:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PackedMatMulNBits", "midpoint_zero_points", "pack_matmul_nbits", "unpack_matmul_nbits"]
+__all__ = ["PACK_CHUNK_ELEMENTS", "PackedMatMulNBits", "midpoint_zero_points", "pack_matmul_nbits",
+           "unpack_matmul_nbits"]
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,17 @@ def midpoint_zero_points(n: int, blocks: int, bits: int) -> np.ndarray:
     return _pack_nibbles(np.concatenate([zp, np.zeros((n, blocks % 2), np.uint8)], axis=1)).reshape(-1)
 
 
+#: Elements of ``q`` converted per row chunk in :func:`pack_matmul_nbits` (bounds its int64 temporaries to 8 MiB).
+PACK_CHUNK_ELEMENTS = 1 << 20
+
+
 def pack_matmul_nbits(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray | None, bits: int, signed: bool,
                       block_size: int) -> PackedMatMulNBits:
     """Pack ``W = (q − zero_point) · scale`` per block (module docstring).
+
+    Memory: ``q`` may be any integer dtype (or a strided view, e.g. a transpose); it is shifted to unsigned codes
+    one chunk of rows at a time (:data:`PACK_CHUNK_ELEMENTS`), so the only weight-sized arrays are the uint8 codes
+    and the packed ``B`` (1 and ``bits / 8`` bytes per element), never an int64 copy of ``q``.
 
     Args:
         q: Integer weight ``[N, K]`` in the dtype's range (e.g. ``[-8, 7]`` for int4).
@@ -94,9 +103,12 @@ def pack_matmul_nbits(q: np.ndarray, scale: np.ndarray, zero_point: np.ndarray |
     zp = np.zeros((n, blocks), np.int64) if zero_point is None else zero_point.astype(np.int64)
     zp_u = (zp + offset).astype(np.uint8)
     padded = np.repeat(zp_u, block_size, axis=1)
-    padded[:, :k] = (q.astype(np.int64) + offset).astype(np.uint8)
+    rows = max(1, PACK_CHUNK_ELEMENTS // max(k, 1))
+    for start in range(0, n, rows):
+        padded[start:start + rows, :k] = (q[start:start + rows].astype(np.int64) + offset).astype(np.uint8)
     grouped = padded.reshape(n, blocks, block_size)
     b = grouped if bits == 8 else _pack_nibbles(grouped)
+    del padded, grouped
     zero_points = None
     if np.any(zp_u != 1 << (bits - 1)):
         if bits == 8:

@@ -171,7 +171,7 @@ def _shared_matmul_nbits(view: QdqView, graph: OnnxGraph) -> _Source | None:
     if not candidates:
         return None
     zero_point = None if view.zero_point is None else view.zero_point.astype(np.int64)
-    packed = pack_matmul_nbits(graph.constant(view.data).astype(np.int64), view.scale, zero_point, bits, signed, block)
+    packed = pack_matmul_nbits(graph.constant(view.data), view.scale, zero_point, bits, signed, block)
     for node in candidates:
         names = [*node.input[1:4], ""][:3]
         values = [graph.constant(name) if name else None for name in names]
