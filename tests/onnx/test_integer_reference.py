@@ -17,6 +17,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from coreai_opt.onnx.verify import integer_reference
 from coreai_opt.onnx.verify.integer_reference import IntegerReference
 
 _qdq = torch.ops.coreai_opt.quantize_dequantize.default
@@ -168,3 +169,18 @@ def test_split_of_a_per_tensor_quantized_activation_keeps_every_piece_exact() ->
                 ).clamp(-128, 127).round()
     assert reference.replaced == {1}
     assert torch.equal(torch.round(y / 0.01), expected)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_matmul_read_back_in_column_slices_equals_the_whole_weight_read_at_once(per_channel: bool,
+                                                                                  monkeypatch) -> None:
+    torch.manual_seed(0)
+    scale = torch.rand(1, 37) * 0.01 + 0.001 if per_channel else torch.tensor(0.004)
+    full = scale.expand(64, 37) if per_channel else scale
+    weight = torch.randint(-127, 128, (64, 37)).double() * full.double()
+    a = torch.randint(-128, 128, (5, 64)).double()
+    tag = integer_reference._Scaled(full.float())
+    whole = torch.matmul(a, tag.integers(weight.float()))
+    monkeypatch.setattr(integer_reference, "_CHUNK_ELEMENTS", 64 * 4)  # 4 columns per slice: 10 slices
+    sliced = integer_reference._exact_matmul(a, weight.float(), tag)
+    assert sliced.dtype == torch.float64 and torch.equal(sliced, whole)

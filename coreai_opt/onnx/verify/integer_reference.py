@@ -101,6 +101,25 @@ def requantize(acc: torch.Tensor, product_scale: torch.Tensor, y_scale: torch.Te
     return value + zp
 
 
+#: Elements of a matmul's right operand read back as float64 codes at a time (one slice of its columns).
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _exact_matmul(a: torch.Tensor, b: torch.Tensor, b_tag: _Scaled) -> torch.Tensor:
+    """``a @ codes(b)`` for an integer-valued float64 ``a``, ``b``'s codes read back a slice of columns at a time.
+
+    Exact as a whole (every partial sum an integer below ``2**53``); a slice holds at most :data:`_CHUNK_ELEMENTS`
+    float64 codes, so verifying a large linear never holds a float64 copy of its whole weight.
+    """
+    columns = max(1, _CHUNK_ELEMENTS // max(1, b[..., 0].numel()))
+    pieces = []
+    for start in range(0, b.shape[-1], columns):
+        part = slice(start, start + columns)
+        scale = b_tag.scale[..., part] if b_tag.scale.dim() else b_tag.scale
+        pieces.append(torch.matmul(a, _Scaled(scale).integers(b[..., part])))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
 def _exact_convolution(x: torch.Tensor, w: torch.Tensor, stride: list[int], padding: list[int],
                        dilation: list[int], groups: int) -> torch.Tensor:
     """``conv(x, w)`` of integer-valued float64 tensors, exact (every partial sum an integer below ``2**53``).
@@ -272,7 +291,7 @@ class IntegerReference(TorchDispatchMode):
             return  # a scale that varies along K is no per-output-channel weight scale
 
         def compute() -> tuple[torch.Tensor, torch.Tensor]:
-            acc = torch.matmul(a_tag.integers(a), b_tag.integers(b)) + codes.double()
+            acc = _exact_matmul(a_tag.integers(a), b, b_tag) + codes.double()
             product = a_tag.scale.float() * b_scale.float()
             return acc, product.expand(acc.shape) if product.dim() else product
         self.accumulators[result] = _Accumulator(compute)
