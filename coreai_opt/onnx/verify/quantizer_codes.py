@@ -80,8 +80,6 @@ rule 1 at the quantizer they were written into.
 
 from __future__ import annotations
 
-import hashlib
-import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,6 +97,7 @@ from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.verify.fusion_report import optimized_model
 from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerReference
 from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
+from coreai_opt.onnx.verify.missing_calls import input_key, missing_calls, traced_calls, untraced_scales
 from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
 from coreai_opt.onnx.verify.tolerance import tensor_bounds
 
@@ -126,8 +125,6 @@ BIAS_MAX_UPSTREAM = 0.01
 #: Steps a float-kernel quantizer may exceed its path bound by (measured 4 against a bound of 3 at conv1d_groupnorm
 #: w4a8's GroupNorm -> SiLU quantizer behind a blocked-int4 conv run in float).
 FLOAT_EXTRA_STEPS = 1
-
-_TRACED_CALL = re.compile(r"quantize_dequantize(?:_(\d+))?: coreai_opt\.quantize_dequantize\.default")
 
 _ALLOWED = {"exact": MISMATCH_EXACT, "integer": MISMATCH_INTEGER, "float": MISMATCH_FLOAT, "16-bit": 1.0,
             "integer-exact": 0.0}
@@ -214,7 +211,8 @@ class _RecordQuantizeCalls(TorchDispatchMode):
 
     A wanted call (an activation boundary) keeps ``(output, scale, zero_point)`` in :attr:`calls`; a fake-quantized
     weight is never copied. Given ``traced``, every activation call also keeps a key of its input's bytes and its
-    qparams in :attr:`keys` (:func:`_input_key`), to tell a duplicate the exporter merged from a dropped pair.
+    qparams in :attr:`keys` (:func:`~coreai_opt.onnx.verify.missing_calls.input_key`), to tell a duplicate the
+    exporter merged from a dropped pair.
     Every op's outputs computed from a tensor derived from ``inputs`` (the batch) are derived too; a quantizer call
     whose input is derived is an activation call (:attr:`activations`: index -> (shape, storage address of its scale)).
     Quantizers of tensors computed from constants only (a causal mask or rotary table built from ``arange``) are
@@ -248,49 +246,9 @@ class _RecordQuantizeCalls(TorchDispatchMode):
             if args[0] in self.derived:
                 self.activations[self.count] = (tuple(args[0].shape), args[1].untyped_storage().data_ptr())
                 if self.traced is not None:
-                    self.keys[self.count] = _input_key(args[0], args[1], args[2])
+                    self.keys[self.count] = input_key(args[0], args[1], args[2])
             self.count += 1
         return result
-
-
-def traced_calls(model: onnx.ModelProto) -> set[int]:
-    """Indices of the ``coreai_opt::quantize_dequantize`` calls some node's ``namespace`` metadata names."""
-    calls = set()
-    for node in model.graph.node:
-        for prop in node.metadata_props:
-            if prop.key == "namespace":
-                calls.update(int(m.group(1) or 0) for m in _TRACED_CALL.finditer(prop.value))
-    return calls
-
-
-def _untraced_scales(model: onnx.ModelProto) -> set[str]:
-    """Scale names (``.`` as ``_``) read by ``QuantizeLinear`` / ``DequantizeLinear`` nodes no call is traced to.
-
-    A rewrite rule that rebuilds a pair (``linears_to_gemm``: ``Reshape -> DQ -> Gemm -> Q -> Reshape``) writes new
-    nodes without ``namespace`` metadata; they still read the quantizer's lifted scale buffer by its name.
-    """
-    return {node.input[1].replace(".", "_") for node in model.graph.node
-            if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 1
-            and not any(p.key == "namespace" and _TRACED_CALL.search(p.value) for p in node.metadata_props)}
-
-
-def _input_key(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[object, ...]:
-    """Shape, dtype and a 128-bit BLAKE2 digest of the bytes of a quantizer call's input, with its qparams' bytes."""
-    def raw(t: torch.Tensor) -> np.ndarray:
-        return t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
-
-    return (tuple(x.shape), str(x.dtype), hashlib.blake2b(raw(x), digest_size=16).digest(), tuple(scale.shape),
-            raw(scale).tobytes(), raw(zero_point).tobytes())
-
-
-def _duplicates(keys: dict[int, tuple[object, ...]], traced: set[int]) -> set[int]:
-    """The untraced calls whose input bytes, scale and zero point equal those of a call in ``traced``.
-
-    Such a call is a duplicate the exporter's optimizer merged with a call in the file (rule 5 of the module
-    docstring): its readers read a pair computing exactly the values eager computes here.
-    """
-    kept = {key for call, key in keys.items() if call in traced}
-    return {call for call, key in keys.items() if call not in traced and key in kept}
 
 
 def _with_missing(results: list[QuantizerCodes], missing: list[QuantizerCodes]) -> tuple[QuantizerCodes, ...]:
@@ -382,7 +340,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     boundaries = quantizer_boundaries(exported)
     if not boundaries:
         return ()
-    traced, rebuilt = traced_calls(exported), _untraced_scales(exported)
+    traced, rebuilt = traced_calls(exported), untraced_scales(exported)
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
         # the loaded file itself becomes the instrumented copy, released before onnxruntime loads it: one copy of
         # the weights at a time (the file, then the optimized dump, whose weights stay on disk, then the session)
@@ -396,11 +354,8 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         with torch.no_grad(), reference, recorder:
             model(*batch)
         buffers = {t.untyped_storage().data_ptr(): name.replace(".", "_") for name, t in model.named_buffers()}
-        shared = {scale for call, (_, scale) in recorder.activations.items() if call in traced}
-        merged = _duplicates(recorder.keys, traced)
-        missing = [QuantizerCodes.missing(call, shape) for call, (shape, scale) in recorder.activations.items()
-                   if call not in traced and buffers.get(scale) not in rebuilt and scale not in shared
-                   and call not in merged]
+        missing = [QuantizerCodes.missing(call, shape)
+                   for call, shape in missing_calls(recorder.activations, recorder.keys, traced, rebuilt, buffers)]
         boundaries = [b for b in boundaries if b.call in recorder.calls]
         tensors = [b.tensor for b in boundaries]
         options = ort.SessionOptions()
