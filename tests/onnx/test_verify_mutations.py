@@ -157,6 +157,93 @@ def test_dropped_pair_is_reported_missing_at_its_own_call(exported: Callable[[st
     assert call in [q.call for q in clean_report.quantizers]  # compared there, absent from the mutated file
 
 
+class _TwoGatedLayers(nn.Module):
+    """Both layers subtract the same ``(1 - gate) · 3`` (as hf-funnel's blocks each subtract ``(1 - mask) · 1e6``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.first(x) - (1 - gate) * 3.0)
+        return self.second(hidden) - (1 - gate) * 3.0
+
+
+def test_duplicate_pair_the_exporter_merged_is_not_missing_but_dropping_it_is(tmp_path: Path) -> None:
+    """The two ``(1 - gate) · 3`` quantizers compute equal codes with equal scales; the exporter keeps one Q -> DQ
+    pair read by both subtractions, so no node is traced from the second call. Its readers read exactly eager's
+    values: ok, nothing missing. Dropping the kept pair (both readers read the float tensor) is still flagged at it."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 16), torch.rand(8, 16)) for _ in range(3)]
+    prepared = coreai_opt.prepare(_TwoGatedLayers().eval(), coreai_opt.QuantizerConfig.presets.w8a8(), batches[0])
+    coreai_opt.calibrate(prepared, batches[:2], progress=False)
+    model = coreai_opt.convert(prepared)
+    path = export_onnx(model, batches[0], tmp_path / "gated.onnx")
+    clean = onnx.load(str(path))
+    graph = OnnxGraph(clean)
+    gate_pairs = [q for q in clean.graph.node if q.op_type == "QuantizeLinear" and "mul" in q.input[1]]
+    assert len(gate_pairs) == 1  # one pair left of the two gate quantizers
+    (dq,) = graph.readers(gate_pairs[0].output[0])
+    assert [r.op_type for r in graph.readers(dq.output[0])] == ["Sub", "Sub"]  # read by both layers
+    report = verify_onnx(model, path, batches[2:])
+    assert report.ok, str(report)
+    assert not [q for q in report.quantizers if q.rule == "missing"]
+
+    for node in clean.graph.node:  # drop the kept pair: both subtractions read the float gate
+        node.input[:] = [gate_pairs[0].input[0] if name == dq.output[0] else name for name in node.input]
+    clean.graph.node.remove(gate_pairs[0])
+    clean.graph.node.remove(dq)
+    onnx.save(clean, str(tmp_path / "dropped.onnx"))
+    dropped = verify_onnx(model, tmp_path / "dropped.onnx", batches[2:])
+    missing = [q.call for q in dropped.quantizers if q.rule == "missing"]
+    assert not dropped.ok and len(missing) == 2  # the kept call and its merged duplicate, both read float now
+    assert dropped.first_failing_quantizer is not None and dropped.first_failing_quantizer.rule == "missing"
+
+class _ResidualNorm(nn.Module):
+    """A residual sum requantized on its own grid by the norm's float32 cast (hf-llama's decoder layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.weight = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = (x + self.first(x)).to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.second(self.weight * hidden.to(x.dtype))
+
+
+def test_dropped_pair_whose_requantization_repeats_its_codes_is_still_missing(tmp_path: Path) -> None:
+    """The residual sum's pair dropped: the cast's quantizer (same scale, traced) now reads the float sum and gives
+    the codes eager's two calls give, so its *output* equals the dropped call's; its *input* does not, so the dropped
+    call is no merged duplicate and rule ``missing`` names it (hf-llama drop_qdq, quantize_dequantize_71)."""
+    from coreai_opt.onnx.verify.quantizer_codes import traced_calls
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 16),) for _ in range(3)]
+    prepared = coreai_opt.prepare(_ResidualNorm().eval(), coreai_opt.QuantizerConfig.presets.w8a8(), batches[0])
+    coreai_opt.calibrate(prepared, batches[:2], progress=False)
+    model = coreai_opt.convert(prepared)
+    path = export_onnx(model, batches[0], tmp_path / "residual.onnx")
+    clean = onnx.load(str(path))
+    graph = OnnxGraph(clean)
+    q_sum = next(q for q in clean.graph.node if q.op_type == "QuantizeLinear" and graph.producer(q.input[0]) is not None
+                 and graph.producer(q.input[0]).op_type == "Add")
+    (dq_sum,) = graph.readers(q_sum.output[0])
+    (requant,) = graph.readers(dq_sum.output[0])
+    assert requant.op_type == "QuantizeLinear" and requant.input[1] == q_sum.input[1]  # same grid, a second call
+    assert verify_onnx(model, path, batches[2:]).ok
+
+    for node in clean.graph.node:
+        node.input[:] = [q_sum.input[0] if name == dq_sum.output[0] else name for name in node.input]
+    clean.graph.node.remove(q_sum)
+    clean.graph.node.remove(dq_sum)
+    onnx.save(clean, str(tmp_path / "dropped.onnx"))
+    (dropped_call,) = traced_calls(onnx.load(str(path))) - traced_calls(clean)
+    report = verify_onnx(model, tmp_path / "dropped.onnx", batches[2:])
+    assert not report.ok
+    assert [q.call for q in report.quantizers if q.rule == "missing"] == [f"quantize_dequantize_{dropped_call}"]
+
 def test_clean_w4a8_export_with_rounding_flips_is_not_flagged(exported: Callable[[str, str], Exported]) -> None:
     """Behind blocked int4 weights onnxruntime runs Conv in float: sparse ±1 flips (up to 52 % of fc's 160 codes)."""
     model, path, inputs = exported("resnet18", "w4a8")

@@ -31,12 +31,18 @@ kernel class that judged it when all held):
    the integer or fused node a rewrite rule made of them), or an untraced ``QuantizeLinear`` / ``DequantizeLinear``
    reading the quantizer's scale buffer by name (a pair ``linears_to_gemm`` rebuilt without that metadata), or
    another traced call with the same scale (a shared quantizer: ``fold_pads_into_convs`` drops the requantization
-   at a Pad that shares the convolution input's grid, which changes no value). A call with none of these was
-   dropped from the file; its readers read the float tensor. The quantizers behind it only see an input that
-   differs a little (hf-llama: a dropped pair moved the output 4 of 60 allowed steps, 103 quantizers compared,
-   none failing), so the quantizer is reported itself, before the quantizers of later calls. Quantizers of tensors
-   computed from constants only are folded away with their producers and are not activation calls. Not seen: a
-   dropped pair of a quantizer shared with a call still in the file. Measured: 0 calls missing on the 49 clean
+   at a Pad that shares the convolution input's grid, which changes no value), or a traced call whose eager input
+   (bytes), scale and zero point equal this call's (a duplicate the exporter's optimizer merged: two layers
+   quantizing the same ``(1 - mask) · c`` of one attention mask, hf-funnel, become one pair read by both layers
+   once the equal scale initializers are deduplicated; the readers then read the very values eager computes).
+   Equal *outputs* would not do: a requantization of codes already on the grid (hf-llama's drop_qdq site) has
+   the output of the call before it, and its dropped pair is a defect.
+   A call with none of these was dropped from the file; its readers read the float tensor. The quantizers behind
+   it only see an input that differs a little (hf-llama: a dropped pair moved the output 4 of 60 allowed steps, 103
+   quantizers compared, none failing), so the quantizer is reported itself, before the quantizers of later calls.
+   Quantizers of tensors computed from constants only are folded away with their producers and are not activation
+   calls. Not seen: a dropped pair of a quantizer shared with a call still in the file, or of a call whose output
+   another call in the file duplicates exactly. Measured: 0 calls missing on the 49 clean
    zoo x preset files and on clean hf-llama (benchmarks/verify/RESULTS.md).
 
 Kernel classes, from the non-exact onnxruntime kernels between this quantizer and the quantizers it reads
@@ -74,7 +80,6 @@ rule 1 at the quantizer they were written into.
 
 from __future__ import annotations
 
-import re
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,6 +97,7 @@ from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.verify.fusion_report import optimized_model
 from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerReference
 from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
+from coreai_opt.onnx.verify.missing_calls import input_key, missing_calls, traced_calls, untraced_scales
 from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
 from coreai_opt.onnx.verify.tolerance import tensor_bounds
 
@@ -119,8 +125,6 @@ BIAS_MAX_UPSTREAM = 0.01
 #: Steps a float-kernel quantizer may exceed its path bound by (measured 4 against a bound of 3 at conv1d_groupnorm
 #: w4a8's GroupNorm -> SiLU quantizer behind a blocked-int4 conv run in float).
 FLOAT_EXTRA_STEPS = 1
-
-_TRACED_CALL = re.compile(r"quantize_dequantize(?:_(\d+))?: coreai_opt\.quantize_dequantize\.default")
 
 _ALLOWED = {"exact": MISMATCH_EXACT, "integer": MISMATCH_INTEGER, "float": MISMATCH_FLOAT, "16-bit": 1.0,
             "integer-exact": 0.0}
@@ -205,19 +209,24 @@ class QuantizerCodes:
 class _RecordQuantizeCalls(TorchDispatchMode):
     """Counts every ``coreai_opt::quantize_dequantize`` call in call order, keeping only the wanted ones.
 
-    A wanted call (an activation boundary) keeps ``(output, scale, zero_point)``; a fake-quantized weight is never
-    copied. Every op's outputs computed from a tensor derived from ``inputs`` (the batch) are derived too; a
-    quantizer call whose input is derived is an activation call (:attr:`activations`: index -> (shape, storage
-    address of its scale)). Quantizers of
-    tensors computed from constants only (a causal mask or rotary table built from ``arange``) are not: the exporter
-    folds them into constants with their producers (clean hf-llama: two such calls, no node left in the file).
+    A wanted call (an activation boundary) keeps ``(output, scale, zero_point)`` in :attr:`calls`; a fake-quantized
+    weight is never copied. Given ``traced``, every activation call also keeps a key of its input's bytes and its
+    qparams in :attr:`keys` (:func:`~coreai_opt.onnx.verify.missing_calls.input_key`), to tell a duplicate the
+    exporter merged from a dropped pair.
+    Every op's outputs computed from a tensor derived from ``inputs`` (the batch) are derived too; a quantizer call
+    whose input is derived is an activation call (:attr:`activations`: index -> (shape, storage address of its scale)).
+    Quantizers of tensors computed from constants only (a causal mask or rotary table built from ``arange``) are
+    not: the exporter folds them into constants with their producers (clean hf-llama: two such calls, no node left
+    in the file).
     """
 
-    def __init__(self, wanted: set[int], inputs: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, wanted: set[int], inputs: tuple[torch.Tensor, ...], traced: set[int] | None = None) -> None:
         super().__init__()
         self.wanted = wanted
+        self.traced = traced
         self.count = 0
         self.calls: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.keys: dict[int, tuple[object, ...]] = {}
         self.activations: dict[int, tuple[tuple[int, ...], int]] = {}
         self.derived = WeakIdKeyDictionary()
         for tensor in inputs:
@@ -236,29 +245,10 @@ class _RecordQuantizeCalls(TorchDispatchMode):
                 self.calls[self.count] = (result.detach().clone(), args[1].detach().clone(), args[2].detach().clone())
             if args[0] in self.derived:
                 self.activations[self.count] = (tuple(args[0].shape), args[1].untyped_storage().data_ptr())
+                if self.traced is not None:
+                    self.keys[self.count] = input_key(args[0], args[1], args[2])
             self.count += 1
         return result
-
-
-def traced_calls(model: onnx.ModelProto) -> set[int]:
-    """Indices of the ``coreai_opt::quantize_dequantize`` calls some node's ``namespace`` metadata names."""
-    calls = set()
-    for node in model.graph.node:
-        for prop in node.metadata_props:
-            if prop.key == "namespace":
-                calls.update(int(m.group(1) or 0) for m in _TRACED_CALL.finditer(prop.value))
-    return calls
-
-
-def _untraced_scales(model: onnx.ModelProto) -> set[str]:
-    """Scale names (``.`` as ``_``) read by ``QuantizeLinear`` / ``DequantizeLinear`` nodes no call is traced to.
-
-    A rewrite rule that rebuilds a pair (``linears_to_gemm``: ``Reshape -> DQ -> Gemm -> Q -> Reshape``) writes new
-    nodes without ``namespace`` metadata; they still read the quantizer's lifted scale buffer by its name.
-    """
-    return {node.input[1].replace(".", "_") for node in model.graph.node
-            if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 1
-            and not any(p.key == "namespace" and _TRACED_CALL.search(p.value) for p in node.metadata_props)}
 
 
 def _with_missing(results: list[QuantizerCodes], missing: list[QuantizerCodes]) -> tuple[QuantizerCodes, ...]:
@@ -350,7 +340,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     boundaries = quantizer_boundaries(exported)
     if not boundaries:
         return ()
-    traced, rebuilt = traced_calls(exported), _untraced_scales(exported)
+    traced, rebuilt = traced_calls(exported), untraced_scales(exported)
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
         # the loaded file itself becomes the instrumented copy, released before onnxruntime loads it: one copy of
         # the weights at a time (the file, then the optimized dump, whose weights stay on disk, then the session)
@@ -360,13 +350,12 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         graph = OnnxGraph(optimized)
         stops = {b.tensor for b in boundaries}
         reference = IntegerReference({b.call for b in boundaries if integer_kernel_of(graph, b.tensor, stops)})
-        recorder = _RecordQuantizeCalls({b.call for b in boundaries}, batch)
+        recorder = _RecordQuantizeCalls({b.call for b in boundaries}, batch, traced)
         with torch.no_grad(), reference, recorder:
             model(*batch)
         buffers = {t.untyped_storage().data_ptr(): name.replace(".", "_") for name, t in model.named_buffers()}
-        shared = {scale for call, (_, scale) in recorder.activations.items() if call in traced}
-        missing = [QuantizerCodes.missing(call, shape) for call, (shape, scale) in recorder.activations.items()
-                   if call not in traced and buffers.get(scale) not in rebuilt and scale not in shared]
+        missing = [QuantizerCodes.missing(call, shape)
+                   for call, shape in missing_calls(recorder.activations, recorder.keys, traced, rebuilt, buffers)]
         boundaries = [b for b in boundaries if b.call in recorder.calls]
         tensors = [b.tensor for b in boundaries]
         options = ort.SessionOptions()
