@@ -209,6 +209,24 @@ def test_an_attention_block_it_does_not_recognise_stays_as_it_is(files, change, 
     assert model.SerializeToString() == before
 
 
+def test_multi_head_attention_without_groups_is_rewritten_and_equals_the_original(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = save_tiny_llama(tmp_path / "llama")
+    torch.manual_seed(0)
+    config = LlamaConfig.from_pretrained(directory)
+    config.num_key_value_heads = 4
+    LlamaForCausalLM(config).eval().save_pretrained(directory)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        paths = _export(directory, tmp_path, True, monkeypatch)
+    assert ops(onnx.load(str(paths["rewritten"]))).count("GroupQueryAttention") == LAYERS
+    for feed in (_feed(1, 5, 0), _feed(2, 1, 6, padding=1)):
+        feed = {k: np.repeat(v, 2, axis=1) if k.startswith("past") else v for k, v in feed.items()}  # 4 kv heads
+        expected, got = _run(paths["original"], feed), _run(paths["rewritten"], feed)
+        for name, value in expected.items():
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6, err_msg=name)
+
+
 def test_a_head_size_of_8_is_left_alone_with_a_near_miss(tmp_path):
     with pytest.MonkeyPatch.context() as monkeypatch:
         paths = _export(save_tiny_llama(tmp_path / "llama", hidden=32), tmp_path, False, monkeypatch)

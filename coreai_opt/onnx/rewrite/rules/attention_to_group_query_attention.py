@@ -42,8 +42,9 @@ generation here), equal position rows, and every decode step are exact (tests pi
 Sites (anchor: the ``Softmax``; everything below must hold, else the block stays as it is):
 
 * float32 scores ``MatMul(q', Transpose(present_key, [0, 1, 3, 2])) -> Mul(constant scale) ->
-  Where(Not(mask'), -inf, ·) -> Softmax(last axis) [-> Where(·, 0, ·)] -> MatMul(·, present_value) -> Reshape ->
-  Transpose([0, 2, 1, 3]) -> Reshape`` to ``(batch, sequence, heads · D)``; no softcap (``Tanh``), no ALiBi or other
+  Where(Not(mask'), -inf, ·) -> Softmax(last axis) [-> Where(·, 0, ·)] -> MatMul(·, present_value) [-> Reshape]
+  -> Transpose([0, 2, 1, 3]) -> Reshape`` to ``(batch, sequence, heads · D)`` (the first ``Reshape`` unfolds
+  grouped heads); no softcap (``Tanh``), no ALiBi or other
   additive bias;
 * ``present_key`` / ``present_value`` are graph outputs written by ``Concat(past graph input, new, axis=2)``;
 * q and k are ``Transpose([0, 2, 1, 3])(Reshape(projection))`` rotated by the standard rotate-half form over the
@@ -281,6 +282,8 @@ class AttentionToGroupQueryAttention(Rule):
                         "or the values are not a head-split projection")
         key, cos, sin = rotated_k
         key = _heads_of(graph, key)
+        if key is None:
+            return Fail("the keys are not Transpose(Reshape(projection)) (a per-head norm in between, as Qwen3's)")
         query_rot = scores.input[0]
         fold = graph.producer(query_rot)
         if _op(fold, "Reshape"):
@@ -289,10 +292,12 @@ class AttentionToGroupQueryAttention(Rule):
                 return Fail("the grouped queries are not folded to (batch, kv_heads, groups * S, D)")
             query_rot = fold.input[0]
         rotated_q = _rotary(graph, query_rot, size // 2)
-        if key is None or rotated_q is None or rotated_q[1:] != (cos, sin):
+        if rotated_q is None or rotated_q[1:] != (cos, sin):
             return Fail("the queries are not rotated like the keys")
         query = _heads_of(graph, rotated_q[0])
-        q_shape = graph.shape(query) if query is not None else None
+        if query is None:
+            return Fail("the queries are not Transpose(Reshape(projection)) (a per-head norm in between, as Qwen3's)")
+        q_shape = graph.shape(query)
         if q_shape is None or not isinstance(q_shape[-1], int) or q_shape[-1] % size:
             return Fail("the query projection's width is not recorded as a multiple of the head size")
         heads = q_shape[-1] // size
@@ -327,9 +332,10 @@ class AttentionToGroupQueryAttention(Rule):
 
     @staticmethod
     def _output(graph: OnnxGraph, heads: str) -> onnx.NodeProto | None:
-        """The last ``Reshape`` of ``heads -> Reshape -> Transpose(0, 2, 1, 3) -> Reshape``."""
-        first = graph.only_reader(heads)
-        transpose = graph.only_reader(first.output[0]) if _op(first, "Reshape") else None
+        """The last ``Reshape`` of ``heads [-> Reshape] -> Transpose(0, 2, 1, 3) -> Reshape`` (grouped: unfold)."""
+        transpose = graph.only_reader(heads)
+        if _op(transpose, "Reshape"):
+            transpose = graph.only_reader(transpose.output[0])
         last = graph.only_reader(transpose.output[0]) if _perm(transpose, [0, 2, 1, 3]) else None
         return last if _op(last, "Reshape") else None
 
