@@ -25,7 +25,7 @@ __all__ = ["Cell", "DECODE_STEPS", "EXTRA_PRESETS", "preset_config", "run_cell",
 #: Greedy decode steps calibrated after each calibration prompt's prefill (as the CLI).
 DECODE_STEPS = 4
 #: Cells beyond the preset names: ``w8_int8`` = ``w8(compute="int8")`` (int8 activations per token and K block
-#: inside ``MatMulNBits``, token-local unlike w8a8_dynamic's one scale per tensor).
+#: inside ``MatMulNBits``). ``w8a8_dynamic`` is ``w8a8_dynamic(per_token=True)``, as ``--task text-generation``.
 EXTRA_PRESETS = ("w8_int8",)
 
 
@@ -35,6 +35,8 @@ def preset_config(name: str) -> object:
 
     if name == "w8_int8":
         return co.QuantizerConfig.presets.w8(compute="int8")
+    if name == "w8a8_dynamic":
+        return co.QuantizerConfig.presets.w8a8_dynamic(per_token=True)
     return getattr(co.QuantizerConfig.presets, name)()
 
 

@@ -6,11 +6,12 @@ The 21 activation-quantizing cases (w8a8, w8a8_sym, w4a8, w8a16, fp8; w8a8 with 
 their ``truediv`` / ``mul`` by a number and their non-spatial ``mean`` lost their own quantizers,
 so their quantizer lists and graphs changed. The other cases were kept: weight-only and dynamic presets annotate
 no elementwise op or mean, and annotating every zoo model under w8a8 found these ops only in those three models.
-``zoo_fingerprints.json`` was last re-recorded when the rule ``attention_to_group_query_attention`` joined the
-post-passes: in all 68 cases the quantizers, stored values, eager outputs and graph sha256 were unchanged (no zoo
-model is a KV-cache decoder); the structure and file sha256 of the 67 exported cases changed only because the rewrite
-report in the model metadata lists the new rule. Before that it was re-recorded (Dec 5, issue 32) when
-``write_matmul_nbits`` began to write
+``zoo_fingerprints.json`` was last re-recorded (Dec 5, issue 29) when the export began to freeze each derived int32
+bias scale for the trace (``coreai_opt.onnx.export.frozen_bias_scales``) and to hide every quantizer buffer the
+converted forward does not read: in the 27 cases with int32 biases the scale initializers are named after their bias
+quantizer (``stem_0_bias_fq.scale``, was ``detach_3``) and the exporter's ``val_<n>`` numbering moved; the stored
+values are the same multiset in every case, and the quantizers, graph nodes and eager outputs of all 68 cases are
+unchanged. Before that it was re-recorded (Dec 5, issue 32) when ``write_matmul_nbits`` began to write
 weight-only ``Gemm`` linears (the 2-D ``nn.Linear`` heads, GPT-2's ``Conv1D``) as ``MatMulNBits``: only the 21 w4 /
 w8 / w8a16 cases were recorded again, their quantizers and eager outputs unchanged; the w8 and w8a16 graphs and
 stored values changed (their ``DequantizeLinear + Gemm`` heads are ``MatMulNBits + Add`` now), the w4 graphs did not

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -240,3 +241,19 @@ def test_genai_config_names_the_decoder_file_its_sizes_io_names_and_token_ids(ll
     assert decoder["outputs"] == {"logits": "logits", "present_key_names": "present.%d.key",
                                   "present_value_names": "present.%d.value"}
     assert config["search"]["past_present_share_buffer"] is False and config["search"]["top_k"] == 1
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_decoder_with_one_dynamic_scale_per_call_is_warned_and_one_per_token_is_not(llama, tmp_path, per_token):
+    decoder = DecoderWithCache(llama.model).eval()
+    example = decoder.example_inputs()
+    config = co.QuantizerConfig.presets.w8a8_dynamic(per_token=per_token)
+    prepared = co.prepare(decoder, config, example, capture="export", dynamic_shapes=decoder.capture_dynamic_shapes())
+    converted = co.convert(prepared)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        co.export_onnx(converted, example, tmp_path / "decoder.onnx", task="text-generation")
+    named = [str(w.message) for w in caught if "w8a8_dynamic(per_token=True)" in str(w.message)]
+    assert len(named) == (0 if per_token else 1)
+    if not per_token:
+        assert "9 dynamic activation quantizer(s) of one scale per call (model.model.layers.0." in named[0]

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     _check_numbers(args)
     auto.check_auto_options(args)
     check_task_options(args)
-    config, config_name = load_config(args.preset, args.config)
+    config, config_name = load_config(args.preset, args.config, task=args.task)
     config_name = "auto" if args.auto else config_name
     check_data_sources(args)
     output = args.output or Path(f"{default_model_name(args.model)}.{config_name}.onnx")
@@ -230,12 +230,14 @@ def default_model_name(spec: str) -> str:
     return spec.rpartition(":")[2] or path.stem
 
 
-def load_config(preset: str, config_path: Path | None) -> tuple[Any, str]:
+def load_config(preset: str, config_path: Path | None, task: str | None = None) -> tuple[Any, str]:
     """Build the QuantizerConfig from a preset name or a YAML file.
 
     Args:
         preset: Name of a ``QuantizerConfig.presets`` factory (ignored when ``config_path`` is given).
         config_path: YAML file for ``QuantizerConfig.from_yaml``.
+        task: ``--task``; with ``text-generation`` the ``w8a8_dynamic`` preset quantizes its activations per token
+            (``w8a8_dynamic(per_token=True)``), so decoding with the KV cache and regenerating agree.
 
     Returns:
         ``(config, name)`` where ``name`` (the preset or the YAML stem) is used in default file names.
@@ -252,6 +254,8 @@ def load_config(preset: str, config_path: Path | None) -> tuple[Any, str]:
     names = QuantizerConfig.presets.all_names()
     if preset not in names:
         raise CliError(f"unknown preset {preset!r}; choose one of: {', '.join(names)}")
+    if preset == "w8a8_dynamic" and task == TEXT_GENERATION:
+        return QuantizerConfig.presets.w8a8_dynamic(per_token=True), preset
     return QuantizerConfig.presets.get(preset)(), preset
 
 

@@ -57,8 +57,9 @@ from coreai_opt.onnx.export.dynamic_axes import (
     torch_dynamic_shapes,
 )
 from coreai_opt.onnx.export.export_routes import export_with_fallback, torchscript_export
+from coreai_opt.onnx.export.frozen_bias_scales import bias_scales_frozen
 from coreai_opt.onnx.export.input_validation import check_export_inputs, check_io_names
-from coreai_opt.onnx.export.kv_cache import task_io
+from coreai_opt.onnx.export.kv_cache import task_io, warn_per_tensor_dynamic
 from coreai_opt.onnx.export.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.export.opset import preferred_opset, select_opset
 from coreai_opt.onnx.export.prequantize_weights import (
@@ -175,15 +176,16 @@ def _export_proto(
     """
 
     def dynamo() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        # one rounded weight in memory at a time; the calibration statistics are not lifted
-        with rounded_weight_buffers(model, lazy=True) as placeholders, calibration_state_hidden(model):
+        # one rounded weight in memory at a time; derived bias scales computed once; calibration state not lifted
+        with (rounded_weight_buffers(model, lazy=True) as placeholders, bias_scales_frozen(model),
+              calibration_state_hidden(model)):
             program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
             bind_rounded_weights(program.model, placeholders)
         quantized = defer_large_weights(program.model)
         return program.model_proto, quantized
 
     def torchscript() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        with rounded_weight_buffers(model, lazy=False), calibration_state_hidden(model):
+        with rounded_weight_buffers(model, lazy=False), bias_scales_frozen(model), calibration_state_hidden(model):
             proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
         return proto, prequantize_initializers(proto)
 
@@ -330,6 +332,7 @@ def export_onnx(
     if task is not None:
         input_names, output_names, dynamic_shapes = task_io(task, len(inputs), input_names, output_names,
                                                             dynamic_shapes)
+        warn_per_tensor_dynamic(quantizers)
     in_names = _names(input_names, _default_input_names(model, len(inputs)), len(inputs), "input_names")
     num_outputs = _count_outputs(model, inputs)
     default_out = ["output"] if num_outputs == 1 else [f"output_{i}" for i in range(num_outputs)]

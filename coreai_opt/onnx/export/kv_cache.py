@@ -16,12 +16,17 @@ decoder (``L`` = layers, ``H_kv`` = key / value heads, ``D`` = head width):
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+
+from torch import nn
 
 from coreai_opt.graph.kv_cache_decoder import kv_cache_names
 from coreai_opt.onnx.export.dynamic_axes import DynamicShapes
+from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
+from coreai_opt.quantization.spec import PerTensor
 
-__all__ = ["TEXT_GENERATION", "TASKS", "DecoderIo", "task_io"]
+__all__ = ["TEXT_GENERATION", "TASKS", "DecoderIo", "task_io", "warn_per_tensor_dynamic"]
 
 TEXT_GENERATION = "text-generation"
 #: The values ``export_onnx``'s ``task`` accepts.
@@ -56,3 +61,21 @@ def task_io(task: str, num_inputs: int, input_names: Sequence[str] | None, outpu
         **{name: dict(_CACHE) for name in ins[3:]}}
     axes.update({name: None if value is None else dict(value) for name, value in (dynamic_shapes or {}).items()})
     return ins, outs, axes
+
+
+def warn_per_tensor_dynamic(quantizers: Sequence[nn.Module]) -> None:
+    """Warn when a KV-cache decoder quantizes activations dynamically with one scale per call.
+
+    ``s = (max x - min x) / 255`` over a whole call rounds a one-token decode step and a full regeneration of the same
+    position on different grids, so decoding with the cache and regenerating drift apart (3-9 near-tie flips in 256
+    tokens on the llm benchmark's families); one scale per token (``PerToken()``) does not.
+    """
+    per_call = [q.name for q in quantizers if isinstance(q, FakeQuantize) and q.exports_dynamic
+                and isinstance(q.spec.granularity, PerTensor)]
+    if per_call:
+        warnings.warn(
+            f"task='text-generation' with {len(per_call)} dynamic activation quantizer(s) of one scale per call "
+            f"({', '.join(per_call[:3])}{' ...' if len(per_call) > 3 else ''}): a KV-cache decode step and a full "
+            "regeneration round the same token differently; prepare with "
+            "QuantizerConfig.presets.w8a8_dynamic(per_token=True) (one scale per token, as --task text-generation "
+            "does)", UserWarning, stacklevel=3)

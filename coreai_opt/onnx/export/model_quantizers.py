@@ -8,7 +8,7 @@ from coreai_opt.graph.graph_meta import get_graph_meta
 from coreai_opt.onnx.export.opset import QuantizerUse
 from coreai_opt.quantization.fake_quantize.bias_fake_quantize import BiasFakeQuantize
 from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
-from coreai_opt.quantization.spec.granularity import PerBlock
+from coreai_opt.quantization.spec.granularity import PerBlock, PerToken
 
 __all__ = ["converted_quantizers", "quantizer_uses"]
 
@@ -54,5 +54,5 @@ def quantizer_uses(quantizers: list[nn.Module]) -> list[QuantizerUse]:
         if isinstance(q, BiasFakeQuantize):
             uses.append(QuantizerUse("int32", False, q.name))
         else:
-            uses.append(QuantizerUse(q.spec.dtype, isinstance(q.spec.granularity, PerBlock), q.name))
+            uses.append(QuantizerUse(q.spec.dtype, isinstance(q.spec.granularity, (PerBlock, PerToken)), q.name))
     return uses

@@ -7,7 +7,7 @@ none / int8 / uint8 / int32 bias, per-tensor/axis   18           lowest opset th
                                                                  (17 and below go through a lossy down-converter)
 float8_e4m3fn / float8_e5m2                         19           first QuantizeLinear with float8 types
 int16 / uint16 / int4 / uint4                       21           onnxruntime rejects them below 21 (invalid model)
-any per-block quantizer (``block_size``)            21           ``block_size`` attribute appears in opset 21
+any per-block or per-token quantizer               21           ``block_size`` attribute appears in opset 21
 a GELU (``nn.GELU`` / ``F.gelu``), default pick     20           ONNX ``Gelu`` appears in opset 20; below it the
                                                                  exporter writes Div/Erf/Add/Mul/Mul, which
                                                                  onnxruntime cannot fuse back once each reader of
@@ -54,7 +54,7 @@ class QuantizerUse:
 
     Attributes:
         dtype: Quantized dtype name (``"int8"``, ``"float8_e4m3fn"``, internal ``"int32"`` for biases).
-        blocked: True for a per-block granularity.
+        blocked: True for a per-block or per-token granularity (both export a ``block_size``).
         name: The quantizer's name, used in error messages.
     """
 
@@ -82,7 +82,7 @@ def required_opset(use: QuantizerUse) -> int:
 
 
 def _describe(use: QuantizerUse) -> str:
-    what = f"dtype {use.dtype!r}" + (" with per-block granularity" if use.blocked else "")
+    what = f"dtype {use.dtype!r}" + (" with per-block / per-token granularity" if use.blocked else "")
     return f"quantizer {use.name!r} ({what})" if use.name else what
 
 

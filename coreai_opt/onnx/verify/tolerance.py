@@ -19,6 +19,10 @@ onnxruntime, and why. With the kernel table of :mod:`coreai_opt.onnx.verify.ort_
   them on different grids. A fused ``DynamicQuantizeMatMul`` is such a stage followed by a float-output integer
   product; its step exists only at run time, so an output behind it is ``"underived"`` (below), never float
   precision.
+* a per-token dynamic quantizer (``PerToken()``: a ``QuantizeLinear`` blocked along the last axis with run-time
+  per-row ``s``, ``z``) is an ordinary quantizer stage (``k``, ``k + 1`` behind inexact ops): each row's scale
+  comes from that row alone, so the extent of the call does not move it; the integer product behind it is judged
+  as quantized (``"underived"`` behind float layers), never at float precision.
 
 Per output (:class:`OutputTolerance`):
 

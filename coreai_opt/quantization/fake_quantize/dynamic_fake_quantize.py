@@ -1,14 +1,16 @@
-"""``DynamicFakeQuantize`` (registry key ``"dynamic"``): per-tensor uint8 activations with qparams from each tensor.
+"""``DynamicFakeQuantize`` (registry key ``"dynamic"``): uint8 activations with qparams from each tensor or token.
 
 Every call computes ``(s, z)`` from the tensor it quantizes (range ``[min(0, min x), max(0, max x)]``, uint8
-asymmetric) and applies :func:`~coreai_opt.quantization.ops.dynamic_quantize_op.dynamic_quantize_dequantize`,
-which exports as ONNX ``DynamicQuantizeLinear → DequantizeLinear``. Nothing is calibrated, so the module has no
-qparam buffers and "freezing" it for export only switches a flag.
+asymmetric), over the whole tensor (``PerTensor()``: :func:`~coreai_opt.quantization.ops.dynamic_quantize_op.
+dynamic_quantize_dequantize`, ONNX ``DynamicQuantizeLinear → DequantizeLinear``) or over each row of the last axis
+(``PerToken()``: ``dynamic_quantize_dequantize_per_token``, the same formulas per row; a token's codes then do not
+depend on the other tokens of the call, which a KV-cache decoder needs). Nothing is calibrated, so the module has
+no qparam buffers and "freezing" it for export only switches a flag.
 
-The spec must be ``dtype="uint8"``, ``qscheme="asymmetric"``, ``granularity=PerTensor()``,
+The spec must be ``dtype="uint8"``, ``qscheme="asymmetric"``, ``granularity=PerTensor()`` or ``PerToken()``,
 ``qparams_calculator="dynamic"`` (the stateless calculator; :meth:`DynamicFakeQuantize.qparams` returns its
-qparams for inspection, identical to the op's for every tensor that is not all zeros), which is what
-``QuantizerConfig.presets.w8a8_dynamic()`` builds.
+qparams for inspection, identical to the op's for every tensor or row that is not all zeros), which is what
+``QuantizerConfig.presets.w8a8_dynamic()`` (``per_token=True``: per token) builds.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import torch
 from torch import Tensor
 
 from coreai_opt.quantization.fake_quantize.fake_quantize import FAKE_QUANTIZE, FakeQuantize
-from coreai_opt.quantization.ops.dynamic_quantize_op import dynamic_quantize_dequantize
-from coreai_opt.quantization.spec.granularity import PerTensor, QuantizationScheme
+from coreai_opt.quantization.ops.dynamic_quantize_op import (
+    dynamic_quantize_dequantize,
+    dynamic_quantize_dequantize_per_token,
+)
+from coreai_opt.quantization.spec.granularity import Granularity, PerTensor, PerToken, QuantizationScheme
 from coreai_opt.quantization.spec.qparams_calculator import StatelessQParamsCalculatorBase
 
 if TYPE_CHECKING:
@@ -29,20 +34,24 @@ if TYPE_CHECKING:
 __all__ = ["DynamicFakeQuantize", "dynamic_activation_spec"]
 
 
-def dynamic_activation_spec() -> QuantizationSpec:
-    """The only spec :class:`DynamicFakeQuantize` accepts: uint8 asymmetric per-tensor, dynamic calculator."""
+def dynamic_activation_spec(granularity: Granularity | None = None) -> QuantizationSpec:
+    """A spec :class:`DynamicFakeQuantize` accepts: uint8 asymmetric, dynamic calculator.
+
+    ``granularity``: ``PerTensor()`` (default) or ``PerToken()``.
+    """
     from coreai_opt.quantization.spec.spec import QuantizationSpec
 
-    return QuantizationSpec(dtype="uint8", qscheme=QuantizationScheme.ASYMMETRIC, granularity=PerTensor(),
+    granularity = PerTensor() if granularity is None else granularity
+    return QuantizationSpec(dtype="uint8", qscheme=QuantizationScheme.ASYMMETRIC, granularity=granularity,
                             range_calculator="minmax", qparams_calculator="dynamic", fake_quantize="dynamic")
 
 
 @FAKE_QUANTIZE.register("dynamic")
 class DynamicFakeQuantize(FakeQuantize):
-    """Dynamic per-tensor uint8 fake quantization (module docstring); exportable without calibration.
+    """Dynamic per-tensor or per-token uint8 fake quantization (module docstring); exportable without calibration.
 
     Args:
-        spec: A uint8 / asymmetric / per-tensor spec with ``qparams_calculator="dynamic"``.
+        spec: A uint8 / asymmetric / per-tensor or per-token spec with ``qparams_calculator="dynamic"``.
 
     Raises:
         ValueError: any other spec (the message names the field and the accepted value).
@@ -57,11 +66,12 @@ class DynamicFakeQuantize(FakeQuantize):
             problems.append(f"dtype={spec.dtype!r} (needs 'uint8')")
         if spec.qscheme is not QuantizationScheme.ASYMMETRIC:
             problems.append(f"qscheme={spec.qscheme.value!r} (needs 'asymmetric')")
-        if not isinstance(spec.granularity, PerTensor):
-            problems.append(f"granularity={spec.granularity} (needs PerTensor())")
+        if not isinstance(spec.granularity, (PerTensor, PerToken)):
+            problems.append(f"granularity={spec.granularity} (needs PerTensor() or PerToken())")
         if problems:
             raise ValueError(
-                "DynamicFakeQuantize exports to ONNX DynamicQuantizeLinear, which is uint8, asymmetric and per-tensor; "
+                "DynamicFakeQuantize exports to ONNX DynamicQuantizeLinear (or its per-token form), which is uint8, "
+                "asymmetric and per-tensor or per-token; "
                 f"got {', '.join(problems)}. Use coreai_opt.quantization.fake_quantize.dynamic_fake_quantize."
                 "dynamic_activation_spec()"
             )
@@ -93,5 +103,6 @@ class DynamicFakeQuantize(FakeQuantize):
         if not self.export_mode and not bool(self.fake_quant_enabled):
             return x
         x32 = x if x.dtype == torch.float32 else x.float()
-        y = dynamic_quantize_dequantize(x32)
+        per_token = isinstance(self.spec.granularity, PerToken)
+        y = dynamic_quantize_dequantize_per_token(x32) if per_token else dynamic_quantize_dequantize(x32)
         return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -20,6 +20,7 @@ from coreai_opt.quantization.spec.granularity import (
     PerBlock,
     PerChannel,
     PerTensor,
+    PerToken,
     QuantizationScheme,
     granularity_from_dict,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "PerBlock",
     "PerChannel",
     "PerTensor",
+    "PerToken",
     "PercentileRangeCalculator",
     "QPARAMS_CALCULATORS",
     "QParams",

@@ -8,6 +8,8 @@ granularity                 scale / zero-point shape for a tensor of shape ``s``
 ``PerTensor()``             ``()``
 ``PerChannel(axis)``        ``(s[axis],)``
 ``PerBlock(axis, B)``       ``s`` with ``s[axis]`` replaced by ``s[axis] // B`` (B must divide it)
+``PerToken()``              ``s`` with the last dimension replaced by 1 (one row per token: ONNX
+                            blocked along the last axis with ``block_size = s[-1]``)
 ==========================  =====================================================================
 
 Every calculator works on the *rows view* of a tensor: a 2-D tensor ``(R, N)`` whose row ``r`` holds
@@ -31,6 +33,7 @@ __all__ = [
     "PerTensor",
     "PerChannel",
     "PerBlock",
+    "PerToken",
     "granularity_from_dict",
 ]
 
@@ -60,7 +63,7 @@ def _normalize_axis(axis: int, rank: int, what: str) -> int:
 
 
 class Granularity:
-    """Base of the three granularities. Subclasses are frozen dataclasses (hashable, comparable)."""
+    """Base of the four granularities. Subclasses are frozen dataclasses (hashable, comparable)."""
 
     type_name: ClassVar[str]
 
@@ -189,7 +192,38 @@ class PerBlock(Granularity):
         return {"type": self.type_name, "axis": self.axis, "block_size": self.block_size}
 
 
-_BY_NAME: dict[str, type[Granularity]] = {c.type_name: c for c in (PerTensor, PerChannel, PerBlock)}
+@dataclass(frozen=True)
+class PerToken(Granularity):
+    """One scale per row of the last axis: ``x[..., :]`` of every leading index (a token of ``(batch, seq, hidden)``).
+
+    The qparam shape keeps the rank, ``s[:-1] + (1,)``, so a scale broadcasts against its rows and the ONNX form
+    is a ``QuantizeLinear`` blocked along the last axis with ``block_size = s[-1]``. Only qparams computed from
+    each tensor make sense per token (a dynamic activation spec): the number of rows follows the input.
+    """
+
+    type_name: ClassVar[str] = "per_token"
+
+    def qparam_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:  # noqa: D102
+        if len(shape) == 0:
+            raise ValueError("per-token granularity needs a tensor of rank >= 1 (rows along the last axis), got a "
+                             "scalar; use PerTensor() for scalars")
+        return (*tuple(shape[:-1]), 1)
+
+    def to_rows(self, x: Tensor) -> Tensor:  # noqa: D102
+        self.qparam_shape(x.shape)
+        return x.reshape(-1, x.shape[-1])
+
+    def expand(self, qparam: Tensor, x: Tensor) -> Tensor:  # noqa: D102
+        return qparam.reshape(self.qparam_shape(x.shape))
+
+    def onnx_axis(self, rank: int) -> int:  # noqa: D102
+        return _normalize_axis(-1, rank, "per-token")
+
+    def to_dict(self) -> dict[str, Any]:  # noqa: D102
+        return {"type": self.type_name}
+
+
+_BY_NAME: dict[str, type[Granularity]] = {c.type_name: c for c in (PerTensor, PerChannel, PerBlock, PerToken)}
 
 
 def granularity_from_dict(data: dict[str, Any] | Granularity) -> Granularity:
@@ -209,7 +243,8 @@ def granularity_from_dict(data: dict[str, Any] | Granularity) -> Granularity:
         raise ValueError(f"unknown granularity type {kind!r}; valid types are: {', '.join(sorted(_BY_NAME))}")
     cls = _BY_NAME[kind]
     fields = {k: v for k, v in data.items() if k != "type"}
-    allowed = {"per_tensor": set(), "per_channel": {"axis"}, "per_block": {"axis", "block_size"}}[kind]
+    allowed = {"per_tensor": set(), "per_channel": {"axis"}, "per_block": {"axis", "block_size"},
+               "per_token": set()}[kind]
     unknown = set(fields) - allowed
     if unknown:
         raise ValueError(

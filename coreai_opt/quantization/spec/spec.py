@@ -30,6 +30,7 @@ from coreai_opt.quantization.spec.granularity import (
     Granularity,
     PerBlock,
     PerTensor,
+    PerToken,
     QuantizationScheme,
     granularity_from_dict,
 )
@@ -54,7 +55,8 @@ class QuantizationSpec(BaseModel):
     Attributes:
         dtype: Quantized dtype name (``"int8"``, ``"uint4"``, ``"float8_e4m3fn"``, ...).
         qscheme: ``symmetric`` (default), ``symmetric_with_clipping`` or ``asymmetric``.
-        granularity: :class:`PerTensor` (default), :class:`PerChannel` or :class:`PerBlock`, or their dicts.
+        granularity: :class:`PerTensor` (default), :class:`PerChannel`, :class:`PerBlock` or (stateless
+            qparams only) :class:`PerToken`, or their dicts.
         range_calculator: Range calculator key (``"minmax"``, ``"percentile"``, ``"mse"``, ``"entropy"``).
         qparams_calculator: ``"static"``, ``"moving_average"``, ``"global_minmax"`` or ``"dynamic"``.
         float_range: Fixed ``(min, max)`` overriding the observed range; ``None`` ends are observed. In a config
@@ -203,6 +205,11 @@ class QuantizationSpec(BaseModel):
             )
         if get_matmul_compute(self.matmul_compute).quantizes_activation:
             self._check_int8_compute(info)
+        if isinstance(self.granularity, PerToken) and not getattr(qparams_cls, "stateless", False):
+            raise ValueError(
+                f"granularity=PerToken() gives one scale per row of each tensor, so its qparams must come from "
+                f"every tensor: use qparams_calculator='dynamic', got qparams_calculator={self.qparams_calculator!r}"
+            )
         if getattr(qparams_cls, "stateless", False):
             if self.range_calculator != "minmax":
                 raise ValueError(
