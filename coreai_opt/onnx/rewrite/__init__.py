@@ -18,7 +18,7 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 8. ``rms_norms_to_simplified_layer_norm``: ``w · x · rsqrt(mean(x²) + ε)`` as elementwise ops ->
    ``SimplifiedLayerNormalization`` (onnxruntime folds it with the residual ``Add`` into the skip variant).
 9. ``attention_to_group_query_attention``: the KV-cache decoder's attention block (rotary, cache ``Concat``,
-   causal + padding mask, grouped scores) -> one ``GroupQueryAttention`` with rotary inside.
+   causal + padding mask, grouped scores) -> ``RotaryEmbedding`` per q / k + one ``GroupQueryAttention``.
 10. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
 11. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
 12. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).

@@ -73,19 +73,22 @@ def _run(path: Path | onnx.ModelProto, feed: dict[str, np.ndarray]) -> dict[str,
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feed), strict=True))
 
 
-def test_each_layer_becomes_one_group_query_attention_with_rotary_inside_and_packed_qkv(files):
+def test_each_layer_becomes_per_row_rotary_and_one_group_query_attention(files):
     original, rewritten = (onnx.load(str(files[name])) for name in ("original", "rewritten"))
     kinds = ops(rewritten)
-    assert kinds.count("GroupQueryAttention") == LAYERS
+    assert kinds.count("GroupQueryAttention") == LAYERS and kinds.count("RotaryEmbedding") == 2 * LAYERS
     assert "Softmax" not in kinds and "Neg" not in kinds and "Transpose" not in kinds
-    assert kinds.count("Split") == LAYERS  # gate / up only: q / k / v go in packed
+    assert "LessOrEqual" not in kinds and "Range" not in kinds  # the kernel is causal: only the padding bias is left
     assert len(kinds) < len(ops(original)) // 2
     for node in (n for n in rewritten.graph.node if n.op_type == "GroupQueryAttention"):
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["do_rotary"], attrs["rotary_interleaved"]) == (
-            4, 2, 1, 0)
+        assert (attrs["num_heads"], attrs["kv_num_heads"], attrs["do_rotary"]) == (4, 2, 0)
         assert attrs["scale"] == pytest.approx(16 ** -0.5)
-        assert list(node.input[1:3]) == ["", ""] and node.input[9] == "position_ids"
+        assert list(node.input[7:10]) == ["", "", ""]  # no cos / sin / position_ids: rotary is done before
+        for rotated in node.input[:2]:
+            rotary = next(n for n in rewritten.graph.node if rotated in n.output)
+            assert rotary.op_type == "RotaryEmbedding" and rotary.input[1] == "position_ids"
+            assert {a.name: onnx.helper.get_attribute_value(a) for a in rotary.attribute} == {"interleaved": 0}
         assert list(node.output[1:]) == [f"present.{node.input[3].split('.')[1]}.key",
                                          f"present.{node.input[3].split('.')[1]}.value"]
 
@@ -102,19 +105,31 @@ def test_rewritten_file_equals_the_original_on_prefill_and_decode_steps(files, b
         np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6, err_msg=name)
 
 
-def test_left_padded_batch_prefill_keys_take_row_zeros_positions_in_onnxruntimes_kernel(files):
-    """A known limit of onnxruntime 1.32's CPU kernel (module docstring): on a prompt of batch > 1 it rotates every
-    row by row 0's ``position_ids``. The logits of every real position still equal the original's (rotary is
-    relative), but a left-padded row's cached keys are rotated ``padding`` positions further than the original's."""
-    feed = _feed(2, 6, 0, padding=2)
-    expected, got = _run(files["original"], feed), _run(files["rewritten"], feed)
-    np.testing.assert_allclose(got["logits"][:, 2:], expected["logits"][:, 2:], rtol=0, atol=2e-6)
-    np.testing.assert_allclose(got["present.0.key"][0], expected["present.0.key"][0], rtol=0, atol=2e-6)
-    assert np.abs(got["present.0.key"][1, :, 2:] - expected["present.0.key"][1, :, 2:]).max() > 1e-2
-    feed["position_ids"] = np.tile(np.arange(6), (2, 1))  # one row of positions for the batch: exact
-    expected, got = _run(files["original"], feed), _run(files["rewritten"], feed)
-    for name in (n for n in expected if n.startswith("present")):
-        np.testing.assert_allclose(got[name][..., 2:, :], expected[name][..., 2:, :], rtol=0, atol=2e-6)
+def test_left_padded_batch_prefill_then_decode_steps_equal_the_original_at_real_positions(files):
+    """onnxruntime 1.32's ``GroupQueryAttention(do_rotary=1)`` rotates every row of a batch prompt by row 0's
+    ``position_ids``; the rule rotates with ``RotaryEmbedding`` (per-row positions) instead. A batch of 2, row 1
+    left-padded by 2 (Hugging Face positions ``cumsum(mask) - 1``): the prompt, then 3 cached decode steps, each
+    file fed its own presents, give the original's logits and presents at every real position."""
+    padding, prompt = 2, 6
+    feed = _feed(2, prompt, 0, padding=padding)
+    state = {name: dict(feed) for name in ("original", "rewritten")}
+    for step in range(4):
+        out = {name: _run(files[name], state[name]) for name in state}
+        real = slice(padding, None) if step == 0 else slice(None)  # a prompt's padding queries see no key
+        np.testing.assert_allclose(out["rewritten"]["logits"][:, real], out["original"]["logits"][:, real],
+                                   rtol=0, atol=2e-6, err_msg=f"logits, step {step}")
+        for name in (n for n in out["original"] if n.startswith("present")):
+            for row in range(2):
+                keys = slice(padding if row else 0, None)
+                np.testing.assert_allclose(out["rewritten"][name][row, :, keys], out["original"][name][row, :, keys],
+                                           rtol=0, atol=2e-6, err_msg=f"{name}, row {row}, step {step}")
+        token = out["original"]["logits"][:, -1].argmax(-1)[:, None]
+        mask = np.concatenate([state["original"]["attention_mask"], np.ones((2, 1), np.int64)], axis=1)
+        for name in state:
+            state[name] = {"input_ids": token, "attention_mask": mask,
+                           "position_ids": mask.sum(axis=1, keepdims=True) - 1,
+                           **{k.replace("present", "past_key_values"): v for k, v in out[name].items()
+                              if k != "logits"}}
 
 
 def test_greedy_decoding_with_the_cache_gives_the_same_tokens_as_the_original(files):
@@ -148,11 +163,11 @@ def test_rotary_caches_are_the_models_own_cos_and_sin(files, tmp_path):
     np.testing.assert_allclose(sin[:300], expected_sin[0, :, :8].numpy(), rtol=0, atol=1e-5)
 
 
-def test_a_sequence_longer_than_the_rotary_cache_is_refused_by_onnxruntime(files):
+def test_a_position_beyond_the_rotary_cache_is_refused_by_onnxruntime(files):
     model = onnx.load(str(files["original"]))
     assert apply_rule(model, AttentionToGroupQueryAttention(max_positions=12)) == (LAYERS, [])
-    _run(model, _feed(1, 2, 10))  # total 12: served
-    with pytest.raises(Exception, match="cos_cache dimension 0 shall not be less than total_sequence_length"):
+    _run(model, _feed(1, 2, 10))  # positions 10, 11: served
+    with pytest.raises(Exception, match=r"position_ids value 12 at index 0 is out of range \[0, 12\)"):
         _run(model, _feed(1, 1, 12))
 
 

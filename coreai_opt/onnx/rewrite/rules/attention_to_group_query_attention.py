@@ -1,43 +1,54 @@
-r"""Rule: the KV-cache decoder's float attention block -> one onnxruntime ``GroupQueryAttention`` (rotary inside).
+r"""Rule: the KV-cache decoder's float attention block -> per-row ``RotaryEmbedding`` + one ``GroupQueryAttention``.
 
 :mod:`coreai_opt.graph.kv_cache_decoder` exports each layer's attention as about 40 small kernels: the q / k / v
 projections reshaped to heads, rotary as ``Slice / Neg / Concat / Mul / Add`` per q and k, the cache ``Concat``,
 the grouped scores ``MatMul -> Mul(scale) -> Where(mask) -> Softmax -> Where(dead rows) -> MatMul`` and the
 ``Reshape / Transpose`` chain back to ``(batch, sequence, heads · D)``. On a one-token decode step their per-kernel
-overhead dominates. This rule writes the block as onnxruntime-genai's builder does: with :math:`q, k, v` the
-projections, :math:`P` the past length, :math:`T = P + S` and positions :math:`p` (``position_ids``),
+overhead dominates. This rule writes the block in three onnxruntime kernels: with :math:`q, k, v` the projections,
+:math:`P` the past length, :math:`T = P + S` and positions :math:`p_{b,t}` (``position_ids``, per row),
 
 .. math::
 
-    \mathrm{rot}(x)_p = x \odot \cos_p + [-x_{D/2:}, x_{:D/2}] \odot \sin_p, \quad
+    \mathrm{rot}(x)_{b,t} = x_{b,t} \odot \cos_{p_{b,t}} + [-x_{b,t,D/2:}, x_{b,t,:D/2}] \odot \sin_{p_{b,t}}, \quad
     K = [K_\mathrm{past}; \mathrm{rot}(k)], \; V = [V_\mathrm{past}; v], \quad
-    o = \mathrm{softmax}\big(s \cdot \mathrm{rot}(q) K^\top + b\big) V
+    o = \mathrm{softmax}\big(s \cdot \mathrm{rot}(q) K^\top + c + b\big) V
 
-per key / value head group, where :math:`b` is 0 where the graph's own boolean mask (causal and
-``attention_mask``) allows a key and :math:`-\infty` elsewhere. The node is
-``GroupQueryAttention(q, k, v, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache,
-position_ids, attention_bias)`` (``com.microsoft``, ``do_rotary=1``, ``rotary_interleaved=0``, ``scale`` = s) and
-writes ``present.{i}.key / value`` itself (BNSH). Computed once per graph from ``attention_mask``:
+per key / value head group, where :math:`c` is the causal term (0 for key :math:`j \le P + i`, :math:`-\infty`
+after), applied by the kernel itself, and :math:`b` is 0 for a key whose ``attention_mask`` is 1 and
+:math:`-\infty` for a padding key. The nodes are ``RotaryEmbedding(x, position_ids, cos_cache, sin_cache)``
+(``com.microsoft``, ``interleaved=0``) for ``x`` = q and k, on the ``(batch, sequence, heads · D)`` projections,
+and ``GroupQueryAttention(rot(q), rot(k), v, past_key, past_value, seqlens_k, total_sequence_length, "", "", "",
+attention_bias)`` (``com.microsoft``, ``do_rotary=0``, ``scale`` = s), which writes ``present.{i}.key / value``
+itself (BNSH).
+
+**Why rotary is not inside the kernel.** ``GroupQueryAttention(do_rotary=1)`` of onnxruntime 1.32 (CPU) rotates
+every row of a prompt of batch > 1 by row 0's ``position_ids``: a left-padded row (Hugging Face's positions
+``cumsum(mask) - 1``) still gets the right logits (rotary is relative) but caches keys rotated by the padding
+offset, so its later decode steps were silently wrong (measured: presents off by 0.59 on the tiny Llama; the test
+of a left-padded prefill + 3 decode steps pins it). ``RotaryEmbedding`` reads ``position_ids`` as
+``(batch, sequence)`` and rotates each row by its own positions; its cost is measured in
+``benchmarks/llm_speed/RESULTS.md``.
+
+Computed once per graph from ``attention_mask`` (``Shape / Cast / Sub / Shape / Expand``):
 ``total_sequence_length`` = its length :math:`T` and ``seqlens_k`` = :math:`T - 1` for every row (int32), so the
-kernel's cache layout is the plain ``Concat(past, new)`` of the original graph for every row; padding comes in
-through the bias. (The builder's ``seqlens_k = sum(attention_mask) - 1`` tells the kernel a left-padded row is
-*shorter*, which moves its keys and positions: measured here, outputs off by 1.2 on a decode step after two padded
-positions; this form is exact.) ``cos_cache`` / ``sin_cache`` (``max_positions × D/2``) are the graph's own rotary
-factors (the subgraph from ``position_ids`` to the ``cos`` / ``sin`` the attention multiplies by, including any
-rotary scaling) evaluated by onnxruntime for positions ``0 .. max_positions - 1``, so they equal what the
-original graph computes at those positions. A total length above ``max_positions`` makes onnxruntime refuse the
-step ("cos_cache dimension 0 shall not be less than total_sequence_length"): loud, never wrong.
+kernel's cache layout is the plain ``Concat(past, new)`` of the original graph for every row and its causal term is
+the original's; padding comes in through the bias. (The builder's ``seqlens_k = sum(attention_mask) - 1`` tells
+the kernel a left-padded row is *shorter*, which moves its keys and positions: measured here, outputs off by 1.2
+on a decode step after two padded positions; this form is exact.) The bias is ``Where`` of the graph's own
+``(batch, 1, 1, T)`` padding operand of the mask's ``And``, expanded to the ``(batch, 1, S, T)`` the kernel
+requires (``Shape(position_ids)[1] / Concat / Expand``); the graph's causal ``Range / LessOrEqual`` term is left
+unread and goes away. ``cos_cache`` / ``sin_cache`` (``max_positions × D/2``) are the graph's own rotary factors
+(the subgraph from ``position_ids`` to the ``cos`` / ``sin`` the attention multiplies by, including any rotary
+scaling) evaluated by onnxruntime for positions ``0 .. max_positions - 1``, so they equal what the original graph
+computes at those positions. A position outside ``[0, max_positions)`` makes onnxruntime refuse the step
+("position_ids value 4096 at index 0 is out of range [0, 4096)"): loud, never wrong.
 
 The result equals the original graph's within float rounding (another summation order in the kernel) for every
-query that sees at least one key. A query row whose every key is masked (a left-padding position of a prefill)
-gets zeros in the original graph and a mean of the values in the kernel; only padding positions have such rows.
+query that sees at least one key, on prompts, decode steps, batches and left-padded batches (tests pin each case).
+A query row whose every key is masked (a left-padding position of a prompt) gets zeros in the original graph and
+a mean of the values in the kernel; only padding positions have such rows, and nothing reads their outputs.
 onnxruntime's CPU kernel itself refuses a call with batch > 1, sequence > 1 *and* a past (chunked prefill of a
-batch): "batch_size must be 1 when sequence_length > 1 and past context is given" (loud). **Known limit, not
-loud:** on a prompt (no past) of batch > 1, onnxruntime 1.32's CPU kernel rotates every row by row 0's
-``position_ids``. Rows whose positions differ (a left-padded batch with Hugging Face's ``cumsum - 1`` positions)
-still get the original's logits at every real position (rotary is relative), but their cached keys are rotated by
-the offset, so later decode steps of such a row differ from the original's. Batch 1 (onnxruntime-genai's
-generation here), equal position rows, and every decode step are exact (tests pin each case).
+batch): "batch_size must be 1 when sequence_length > 1 and past context is given" (loud).
 
 Sites (anchor: the ``Softmax``; everything below must hold, else the block stays as it is):
 
@@ -80,7 +91,7 @@ class _Site(Match):
     past: tuple[str, str]
     presents: tuple[onnx.NodeProto, onnx.NodeProto]  # the Concat nodes writing present key / value
     output: onnx.NodeProto  # the last Reshape, (B, S, H·D)
-    mask: str  # (B, 1, S, T) bool, True = attend
+    padding: str  # (B, 1, 1, T) bool, True = not a padding key
     attention_mask: str
     position_ids: str
     cos_sin: tuple[np.ndarray, np.ndarray]  # (max_positions, D/2)
@@ -144,18 +155,29 @@ def _slice(graph: OnnxGraph, node: onnx.NodeProto | None, x: str, start: int, en
     return ends[0] == end if end is not None else ends[0] >= 2 * start
 
 
-def _causal_and_padding(graph: OnnxGraph, mask: str) -> str | None:
-    """The 2-D ``attention_mask`` input when ``mask = causal(LessOrEqual) & Cast(attention_mask)``, else None."""
+def _causal_and_padding(graph: OnnxGraph, mask: str) -> tuple[str, str] | None:
+    """``(attention_mask, padding)`` when ``mask = causal(LessOrEqual) & padding``, else None.
+
+    ``padding`` is the ``And`` operand read from ``Cast(attention_mask)`` (through an ``Unsqueeze``): the
+    ``(batch, 1, 1, T)`` boolean "key is not padding".
+    """
     both = graph.producer(mask)
     if not _op(both, "And"):
         return None
-    sources = [graph.producer(name) for name in both.input]
-    sources = [graph.producer(s.input[0]) if _op(s, "Unsqueeze") else s for s in sources]
-    causal = [s for s in sources if _op(s, "LessOrEqual")]
-    padding = [s for s in sources if _op(s, "Cast") and s.input[0] in graph.inputs]
+    causal, padding = [], []
+    for operand in both.input:
+        source = graph.producer(operand)
+        source = graph.producer(source.input[0]) if _op(source, "Unsqueeze") else source
+        if _op(source, "LessOrEqual"):
+            causal.append(operand)
+        elif _op(source, "Cast") and source.input[0] in graph.inputs:
+            padding.append((source.input[0], operand))
     if len(causal) != 1 or len(padding) != 1:
         return None
-    return padding[0].input[0]
+    shape = graph.shape(padding[0][1])
+    if shape is None or len(shape) != 4 or shape[1:3] != (1, 1):
+        return None
+    return padding[0]
 
 
 def _grouped(graph: OnnxGraph, folded: str, groups: int) -> str | None:
@@ -209,22 +231,8 @@ def _rotary_tables(graph: OnnxGraph, cos: str, sin: str, position_ids: str, max_
     return cos_value.reshape(max_positions, -1), sin_value.reshape(max_positions, -1)
 
 
-def _packed(graph: OnnxGraph, site: _Site) -> tuple[str, str, str]:
-    """``(qkv, "", "")`` when q, k, v are the three outputs, in order, of one last-axis ``Split``, else q, k, v.
-
-    The kernel reads packed ``(B, S, (H + 2 H_kv) D)`` projections itself (as the builder writes them), so the
-    ``Split`` of a fused q / k / v ``MatMulNBits`` goes away.
-    """
-    split = graph.producer(site.projections[0])
-    if not _op(split, "Split") or tuple(split.output) != site.projections:
-        return site.projections
-    if int(attributes_of(split).get("axis", 0)) not in (-1, 2):
-        return site.projections
-    return split.input[0], "", ""
-
-
 class AttentionToGroupQueryAttention(Rule):
-    """The KV-cache decoder's attention block -> ``GroupQueryAttention`` with rotary inside (module docstring).
+    """The KV-cache decoder's attention -> ``RotaryEmbedding`` per q / k + ``GroupQueryAttention`` (module docstring).
 
     Args:
         max_positions: Rows of the rotary caches (the longest total sequence the file serves).
@@ -306,8 +314,8 @@ class AttentionToGroupQueryAttention(Rule):
         if size % 16:
             return Fail(f"head size {size} is not a multiple of 16 (onnxruntime's rotary kernel)")
         mask = _grouped(graph, negate.input[0], heads // kv_heads)
-        attention_mask = _causal_and_padding(graph, mask) if mask is not None else None
-        if attention_mask is None:
+        padding = _causal_and_padding(graph, mask) if mask is not None else None
+        if padding is None:
             return Fail("the mask is not causal & attention_mask (sliding window or another mask)")
         _, sources = _ancestors(graph, [cos, sin])
         if len(sources) != 1:
@@ -317,7 +325,7 @@ class AttentionToGroupQueryAttention(Rule):
         if tables[0].shape[1] != size or any(not np.array_equal(t[:, :size // 2], t[:, size // 2:]) for t in tables):
             return Fail("the rotary factors are not in rotate-half layout (halves differ)")
         return _Site(node, (query, key, value), (present_key.input[0], present_value.input[0]),
-                     (present_key, present_value), output, mask, attention_mask, position_ids,
+                     (present_key, present_value), output, padding[1], padding[0], position_ids,
                      (tables[0][:, :size // 2].copy(), tables[1][:, :size // 2].copy()), heads, kv_heads,
                      float(scale.reshape(-1)[0]))
 
@@ -340,47 +348,60 @@ class AttentionToGroupQueryAttention(Rule):
         return last if _op(last, "Reshape") else None
 
     def rewrite(self, match: Match, graph: OnnxGraph) -> None:
-        """One ``GroupQueryAttention`` writes the output and both presents; the shared inputs are made once."""
+        """``RotaryEmbedding`` per q and k (per-row positions); one ``GroupQueryAttention`` writes all three outputs."""
         assert isinstance(match, _Site)
         seqlens, total, bias = self._shared_inputs(match, graph)
         stem = match.output.name or match.output.output[0]
         cos = graph.shared_constant("gqa_cos_cache", match.cos_sin[0])
         sin = graph.shared_constant("gqa_sin_cache", match.cos_sin[1])
+        query, key, value = match.projections
+        rotary = [helper.make_node("RotaryEmbedding", [x, match.position_ids, cos, sin],
+                                   [graph.unique_name(f"{x}_rotary")],
+                                   name=graph.unique_node_name(f"{stem}_rotary_{part}"), domain=CONTRIB_DOMAIN,
+                                   interleaved=0)
+                  for part, x in (("query", query), ("key", key))]
         attention = helper.make_node(
             "GroupQueryAttention",
-            [*_packed(graph, match), *match.past, seqlens, total, cos, sin, match.position_ids, bias],
+            [rotary[0].output[0], rotary[1].output[0], value, *match.past, seqlens, total, "", "", "", bias],
             [match.output.output[0], match.presents[0].output[0], match.presents[1].output[0]],
             name=graph.unique_node_name(f"{stem}_group_query_attention"), domain=CONTRIB_DOMAIN,
-            num_heads=match.heads, kv_num_heads=match.kv_heads, scale=match.scale, do_rotary=1,
-            rotary_interleaved=0)
+            num_heads=match.heads, kv_num_heads=match.kv_heads, scale=match.scale, do_rotary=0)
         for present in match.presents:
             graph.remove(present)
-        graph.replace(match.output, [attention])
+        graph.replace(match.output, [*rotary, attention])
 
     @staticmethod
     def _shared_inputs(match: _Site, graph: OnnxGraph) -> tuple[str, str, str]:
-        """``seqlens_k`` (B,) = T - 1, ``total_sequence_length`` = T (int32) and the bias, made once per mask."""
-        made = next((r for r in graph.readers(match.mask) if r.op_type == "Where" and r.name.startswith("gqa_")),
+        """``seqlens_k`` (B,) = T - 1, ``total_sequence_length`` = T (int32) and the padding bias, made once.
+
+        The bias is 0 for a real key and -inf for a padding key, ``(B, 1, 1, T)``: the kernel applies causality
+        itself, so the graph's causal ``Range / LessOrEqual`` term is not needed (it becomes dead).
+        """
+        made = next((r for r in graph.readers(match.padding) if r.op_type == "Where" and r.name.startswith("gqa_")),
                     None)
         if made is not None:
-            user = graph.readers(made.output[0])[0]
-            return user.input[5], user.input[6], made.output[0]
+            expand = graph.readers(made.output[0])[0]
+            user = graph.readers(expand.output[0])[0]
+            return user.input[5], user.input[6], expand.output[0]
         mask = match.attention_mask
-        shape, batch, length, total, last, seqlens, bias = (graph.unique_name(f"gqa_{part}") for part in (
-            "mask_shape", "batch", "length", "total_sequence_length", "last", "seqlens_k", "attention_bias"))
+        length, total, last, batch, seqlens, keys, rows, bias = (graph.unique_name(f"gqa_{part}") for part in (
+            "length", "total_sequence_length", "last", "batch", "seqlens_k", "key_bias", "bias_rows",
+            "attention_bias"))
         nodes = [
-            helper.make_node("Shape", [mask], [shape]),
-            helper.make_node("Shape", [mask], [batch], start=0, end=1),
-            helper.make_node("Gather", [shape, graph.shared_constant("gqa_axis", np.array(1, np.int64))], [length],
-                             axis=0),
+            helper.make_node("Shape", [mask], [length], start=1, end=2),
             helper.make_node("Cast", [length], [total], to=TensorProto.INT32),
-            helper.make_node("Sub", [total, graph.shared_constant("gqa_one", np.array(1, np.int32))], [last]),
+            helper.make_node("Sub", [total, graph.shared_constant("gqa_one", np.array([1], np.int32))], [last]),
+            helper.make_node("Shape", [mask], [batch], start=0, end=1),
             helper.make_node("Expand", [last, batch], [seqlens]),
-            helper.make_node("Where", [match.mask, graph.shared_constant("gqa_zero", np.array(0.0, np.float32)),
+            helper.make_node("Where", [match.padding, graph.shared_constant("gqa_zero", np.array(0.0, np.float32)),
                                        graph.shared_constant("gqa_minus_inf", np.array(-np.inf, np.float32))],
-                             [bias]),
+                             [keys]),
+            helper.make_node("Shape", [match.position_ids], [rows], start=1, end=2),
+            helper.make_node("Concat", [rows, graph.shared_constant("gqa_one_long", np.array([1], np.int64))],
+                             [rows + "_by_1"], axis=0),
+            helper.make_node("Expand", [keys, rows + "_by_1"], [bias]),
         ]
         for node in nodes:
             node.name = graph.unique_node_name(f"{node.output[0]}_{node.op_type.lower()}")
-        graph.insert_after(graph.producer(match.mask), nodes)
+        graph.insert_after(graph.producer(match.padding), nodes)
         return seqlens, total, bias
