@@ -171,6 +171,14 @@ def test_a_position_beyond_the_rotary_cache_is_refused_by_onnxruntime(files):
         _run(model, _feed(1, 1, 12))
 
 
+def test_a_negative_padding_position_is_refused_by_onnxruntime_not_computed_wrong(files):
+    feed = _feed(2, 6, 0, padding=2)
+    feed["position_ids"] = np.cumsum(feed["attention_mask"], axis=1) - 1  # -1 at row 1's padding, no masked_fill
+    _run(files["original"], feed)
+    with pytest.raises(Exception, match=r"position_ids value -1 at index 6 is out of range \[0, 4096\)"):
+        _run(files["rewritten"], feed)
+
+
 def test_a_batch_chunk_after_a_past_is_refused_by_onnxruntime_not_computed_wrong(files):
     with pytest.raises(Exception, match="batch_size must be 1 when sequence_length > 1 and past context is given"):
         _run(files["rewritten"], _feed(2, 3, 5))

@@ -41,7 +41,9 @@ unread and goes away. ``cos_cache`` / ``sin_cache`` (``max_positions × D/2``) a
 (the subgraph from ``position_ids`` to the ``cos`` / ``sin`` the attention multiplies by, including any rotary
 scaling) evaluated by onnxruntime for positions ``0 .. max_positions - 1``, so they equal what the original graph
 computes at those positions. A position outside ``[0, max_positions)`` makes onnxruntime refuse the step
-("position_ids value 4096 at index 0 is out of range [0, 4096)"): loud, never wrong.
+("position_ids value 4096 at index 0 is out of range [0, 4096)"): loud, never wrong. That includes the -1 a caller
+gets at left-padding positions from ``cumsum(mask) - 1`` without Hugging Face's ``masked_fill(mask == 0, 1)``:
+the file without the rule serves it, the rewritten one refuses it (fix: clamp padding positions to 0 or 1).
 
 The result equals the original graph's within float rounding (another summation order in the kernel) for every
 query that sees at least one key, on prompts, decode steps, batches and left-padded batches (tests pin each case).
