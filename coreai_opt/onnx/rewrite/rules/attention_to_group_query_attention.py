@@ -79,6 +79,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
+from coreai_opt.onnx.rewrite.rotary_site import ancestors, rotary_tables, rotate_half_of
 from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN, Fail, Match, Rule
 
 __all__ = ["AttentionToGroupQueryAttention", "MAX_POSITIONS"]
@@ -124,39 +125,6 @@ def _heads_of(graph: OnnxGraph, transposed: str) -> str | None:
     return reshape.input[0] if _op(reshape, "Reshape") else None
 
 
-def _rotary(graph: OnnxGraph, rotated: str, half: int) -> tuple[str, str, str] | None:
-    """``(x, cos, sin)`` when ``rotated = x · cos + [-x[D/2:], x[:D/2]] · sin`` (rotate-half over the whole head)."""
-    add = graph.producer(rotated)
-    if not _op(add, "Add"):
-        return None
-    for first, second in ((add.input[0], add.input[1]), (add.input[1], add.input[0])):
-        plain, turned = graph.producer(first), graph.producer(second)
-        if not (_op(plain, "Mul") and _op(turned, "Mul")):
-            continue
-        for x, cos in (plain.input, plain.input[::-1]):
-            for swapped, sin in (turned.input, turned.input[::-1]):
-                concat = graph.producer(swapped)
-                if not _op(concat, "Concat") or len(concat.input) != 2 or attributes_of(concat).get("axis") not in (
-                        -1, 3):
-                    continue
-                neg, low = graph.producer(concat.input[0]), graph.producer(concat.input[1])
-                high = graph.producer(neg.input[0]) if _op(neg, "Neg") else None
-                if _slice(graph, low, x, 0, half) and _slice(graph, high, x, half, None):
-                    return x, cos, sin
-    return None
-
-
-def _slice(graph: OnnxGraph, node: onnx.NodeProto | None, x: str, start: int, end: int | None) -> bool:
-    """``node`` is ``Slice(x)[..., start:end]`` on the last axis (``end`` None: to the end)."""
-    if not _op(node, "Slice") or node.input[0] != x or len(node.input) < 4:
-        return False
-    starts, ends, axes = (_ints(graph, name) for name in node.input[1:4])
-    steps = _ints(graph, node.input[4]) if len(node.input) > 4 and node.input[4] else [1]
-    if starts != [start] or axes not in ([3], [-1]) or steps != [1] or ends is None or len(ends) != 1:
-        return False
-    return ends[0] == end if end is not None else ends[0] >= 2 * start
-
-
 def _causal_and_padding(graph: OnnxGraph, mask: str) -> tuple[str, str] | None:
     """``(attention_mask, padding)`` when ``mask = causal(LessOrEqual) & padding``, else None.
 
@@ -192,45 +160,6 @@ def _grouped(graph: OnnxGraph, folded: str, groups: int) -> str | None:
     if not _op(unsqueeze, "Unsqueeze") or _ints(graph, unsqueeze.input[1]) != [2]:
         return None
     return unsqueeze.input[0]
-
-
-def _ancestors(graph: OnnxGraph, names: list[str]) -> tuple[list[onnx.NodeProto], set[str]]:
-    """The nodes computing ``names`` (graph order) and the graph inputs they read."""
-    nodes: dict[int, onnx.NodeProto] = {}
-    inputs: set[str] = set()
-    stack = list(names)
-    while stack:
-        name = stack.pop()
-        node = graph.producer(name)
-        if node is None:
-            if name in graph.inputs:
-                inputs.add(name)
-            continue
-        if id(node) not in nodes:
-            nodes[id(node)] = node
-            stack += [n for n in node.input if n]
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
-    return sorted(nodes.values(), key=lambda n: order[id(n)]), inputs
-
-
-def _rotary_tables(graph: OnnxGraph, cos: str, sin: str, position_ids: str, max_positions: int,
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """The graph's ``cos`` / ``sin`` at positions ``0 .. max_positions - 1`` (onnxruntime), ``(positions, D)``."""
-    import onnxruntime as ort
-
-    nodes, _ = _ancestors(graph, [cos, sin])
-    produced = {o for n in nodes for o in n.output}
-    constants = sorted({i for n in nodes for i in n.input if i and i not in produced and i != position_ids})
-    initializers = [onnx.numpy_helper.from_array(graph.constant(name), name) for name in constants]
-    model = helper.make_model(
-        helper.make_graph(nodes, "rotary", [helper.make_tensor_value_info(position_ids, TensorProto.INT64, [1, None])],
-                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in (cos, sin)],
-                          initializers),
-        opset_imports=[helper.make_opsetid("", 21)])
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    positions = np.arange(max_positions, dtype=np.int64)[None]
-    cos_value, sin_value = session.run([cos, sin], {position_ids: positions})
-    return cos_value.reshape(max_positions, -1), sin_value.reshape(max_positions, -1)
 
 
 class AttentionToGroupQueryAttention(Rule):
@@ -285,7 +214,7 @@ class AttentionToGroupQueryAttention(Rule):
         if shape is None or not isinstance(shape[1], int) or not isinstance(shape[3], int):
             return Fail("the key cache's heads / head size are not recorded")
         kv_heads, size = shape[1], shape[3]
-        rotated_k = _rotary(graph, present_key.input[1], size // 2)
+        rotated_k = rotate_half_of(graph, present_key.input[1], size // 2)
         value = _heads_of(graph, present_value.input[1])
         if rotated_k is None or value is None:
             return Fail("the new keys are not rotate-half rotary over the whole head (partial / interleaved rotary) "
@@ -301,7 +230,7 @@ class AttentionToGroupQueryAttention(Rule):
             if folded is None or folded[1] != kv_heads:
                 return Fail("the grouped queries are not folded to (batch, kv_heads, groups * S, D)")
             query_rot = fold.input[0]
-        rotated_q = _rotary(graph, query_rot, size // 2)
+        rotated_q = rotate_half_of(graph, query_rot, size // 2)
         if rotated_q is None or rotated_q[1:] != (cos, sin):
             return Fail("the queries are not rotated like the keys")
         query = _heads_of(graph, rotated_q[0])
@@ -319,11 +248,11 @@ class AttentionToGroupQueryAttention(Rule):
         padding = _causal_and_padding(graph, mask) if mask is not None else None
         if padding is None:
             return Fail("the mask is not causal & attention_mask (sliding window or another mask)")
-        _, sources = _ancestors(graph, [cos, sin])
+        _, sources = ancestors(graph, [cos, sin])
         if len(sources) != 1:
             return Fail(f"the rotary factors read {sorted(sources)}, not position_ids alone")
         position_ids = sources.pop()
-        tables = _rotary_tables(graph, cos, sin, position_ids, self.max_positions)
+        tables = rotary_tables(graph, cos, sin, position_ids, self.max_positions)
         if tables[0].shape[1] != size or any(not np.array_equal(t[:, :size // 2], t[:, size // 2:]) for t in tables):
             return Fail("the rotary factors are not in rotate-half layout (halves differ)")
         return _Site(node, (query, key, value), (present_key.input[0], present_value.input[0]),
