@@ -305,8 +305,9 @@ class AttentionToGroupQueryAttention(Rule):
     def _shared_inputs(match: _Site, graph: OnnxGraph) -> tuple[str, str, str]:
         """``seqlens_k`` (B,) = T - 1, ``total_sequence_length`` = T (int32) and the padding bias, made once.
 
-        The bias is 0 for a real key and -inf for a padding key, ``(B, 1, 1, T)``: the kernel applies causality
-        itself, so the graph's causal ``Range / LessOrEqual`` term is not needed (it becomes dead).
+        The bias is 0 for a real key and -inf for a padding key, ``Where`` of the mask's ``(B, 1, 1, T)`` padding
+        operand expanded to the ``(B, 1, S, T)`` the kernel requires (``S`` read from ``position_ids``): the kernel
+        applies causality itself, so the graph's causal ``Range / LessOrEqual`` term is not read (it becomes dead).
         """
         made = next((r for r in graph.readers(match.padding) if r.op_type == "Where" and r.name.startswith("gqa_")),
                     None)
@@ -315,8 +316,8 @@ class AttentionToGroupQueryAttention(Rule):
             user = graph.readers(expand.output[0])[0]
             return user.input[5], user.input[6], expand.output[0]
         mask = match.attention_mask
-        length, total, last, batch, seqlens, keys, rows, bias = (graph.unique_name(f"gqa_{part}") for part in (
-            "length", "total_sequence_length", "last", "batch", "seqlens_k", "key_bias", "bias_rows",
+        length, total, last, batch, seqlens, keys, rows, shape, bias = (graph.unique_name(f"gqa_{part}") for part in (
+            "length", "total_sequence_length", "last", "batch", "seqlens_k", "key_bias", "bias_rows", "bias_shape",
             "attention_bias"))
         nodes = [
             helper.make_node("Shape", [mask], [length], start=1, end=2),
@@ -329,8 +330,8 @@ class AttentionToGroupQueryAttention(Rule):
                              [keys]),
             helper.make_node("Shape", [match.position_ids], [rows], start=1, end=2),
             helper.make_node("Concat", [rows, graph.shared_constant("gqa_one_long", np.array([1], np.int64))],
-                             [rows + "_by_1"], axis=0),
-            helper.make_node("Expand", [keys, rows + "_by_1"], [bias]),
+                             [shape], axis=0),
+            helper.make_node("Expand", [keys, shape], [bias]),
         ]
         for node in nodes:
             node.name = graph.unique_node_name(f"{node.output[0]}_{node.op_type.lower()}")
