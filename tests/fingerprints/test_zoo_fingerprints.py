@@ -6,7 +6,12 @@ The 21 activation-quantizing cases (w8a8, w8a8_sym, w4a8, w8a16, fp8; w8a8 with 
 their ``truediv`` / ``mul`` by a number and their non-spatial ``mean`` lost their own quantizers,
 so their quantizer lists and graphs changed. The other cases were kept: weight-only and dynamic presets annotate
 no elementwise op or mean, and annotating every zoo model under w8a8 found these ops only in those three models.
-``zoo_fingerprints.json`` was last re-recorded (Dec 5, issue 29) when the export began to freeze each derived int32
+``zoo_fingerprints.json`` was last re-recorded (Dec 5, issue 32) when the rule ``attention_to_group_query_attention``
+joined the post-passes (branch gqa merged with main): in all 68 cases the quantizers, stored values, eager outputs
+and graph sha256 are unchanged (no zoo model is a KV-cache decoder); only ``onnx_structure_sha256`` and
+``onnx_file_sha256`` of the 67 exported cases changed, because the rewrite report in the model metadata lists the
+new rule (the 41 cases without int32 biases got back the values the gqa branch recorded before the merge). Before
+that it was re-recorded (Dec 5, issue 29) when the export began to freeze each derived int32
 bias scale for the trace (``coreai_opt.onnx.export.frozen_bias_scales``) and to hide every quantizer buffer the
 converted forward does not read: in the 27 cases with int32 biases the scale initializers are named after their bias
 quantizer (``stem_0_bias_fq.scale``, was ``detach_3``) and the exporter's ``val_<n>`` numbering moved; the stored

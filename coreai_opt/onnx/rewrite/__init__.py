@@ -17,19 +17,21 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
    ``MatMulNBits`` over the stacked weights + ``Split`` (bit-identical outputs).
 8. ``rms_norms_to_simplified_layer_norm``: ``w · x · rsqrt(mean(x²) + ε)`` as elementwise ops ->
    ``SimplifiedLayerNormalization`` (onnxruntime folds it with the residual ``Add`` into the skip variant).
-9. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
-10. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
-11. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
-12. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
-13. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
-14. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
+9. ``attention_to_group_query_attention``: the KV-cache decoder's attention block (rotary, cache ``Concat``,
+   causal + padding mask, grouped scores) -> ``RotaryEmbedding`` per q / k + one ``GroupQueryAttention``.
+10. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
+11. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
+12. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
+13. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
+14. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
+15. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
     ``ReduceSum`` (OpenVINO folds that dequantization into the sum wrongly; onnxruntime stays bit-exact).
-15. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
+16. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
     (TF-style "same" padding; onnxruntime fuses neither the pad nor the requantization around it).
-16. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-17. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-18. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
-19. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+17. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+18. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+19. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+20. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
     ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
@@ -49,6 +51,7 @@ import onnx
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, read_report, record_report
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, import_domains, run_rules
+from coreai_opt.onnx.rewrite.rules.attention_to_group_query_attention import AttentionToGroupQueryAttention
 from coreai_opt.onnx.rewrite.rules.clip_16bit_activations import ClipSixteenBitActivations
 from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.rules.drop_zero_biases import DropZeroBiases
@@ -82,6 +85,7 @@ POST_PASSES: tuple[Rule, ...] = (
     GatherQuantizedRows(),
     FuseSharedInputMatMulNBits(),
     RmsNormsToSimplifiedLayerNorm(),
+    AttentionToGroupQueryAttention(),
     FoldConstantActivations(),
     LinearsToGemm(),
     CollapseReshapes(),
