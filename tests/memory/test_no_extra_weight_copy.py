@@ -60,8 +60,11 @@ MAX_PTQ_STAGE_GROWTH = 0.25
 #: (before: above 3, the float protobuf plus the whole-tensor fold's float64 temporaries).
 MAX_EXPORT_GROWTH = 0.9
 #: verify: onnxruntime's session (int8 weights and its prepacked QGemm copies) next to the eager forward's
-#: fake-quantized weight; measured 0.81.
-MAX_VERIFY_GROWTH = 1.0
+#: fake-quantized weight and, since verify compares codes integer-exactly, one column slice of a weight's float64
+#: codes at a time. Measured 0.81 once; on Dec 5, four runs of this script in a row: 0.82 and 1.05 with the
+#: integer-exact reference switched off, 0.88 and 1.35 with it (glibc's freed-but-kept heap moves the peak run to
+#: run). A full extra copy of the weights would add 1.0 to the ~0.8 of the session: this bound still catches it.
+MAX_VERIFY_GROWTH = 1.5
 
 
 def _run(tmp_path: Path, width: int) -> dict[str, object]:
