@@ -74,15 +74,15 @@ class BiasFakeQuantize(nn.Module):
         Raises:
             ValueError: a per-channel input scale, or a weight scale whose shape does not match the bias.
         """
-        if "scale" in self._buffers:  # frozen by scale_frozen
+        frozen = "scale" in self._buffers  # by scale_frozen, which checked the scales
+        if not self.fake_quant_enabled:
+            if not frozen:
+                self._check_input_scale(_scale_of(input_scale))
+            return bias
+        if frozen:
             scale, zero_point = self._buffers["scale"], self._buffers["zero_point"]
         else:
-            self._check_input_scale(_scale_of(input_scale))
-            if not self.fake_quant_enabled:
-                return bias
             scale, zero_point = self.derived_qparams(bias, input_scale, weight_scale)
-        if not self.fake_quant_enabled:
-            return bias
         b32 = bias if bias.dtype == torch.float32 else bias.float()
         y = quantize_dequantize(
             b32, scale, zero_point, int(_INT32.quant_min), int(_INT32.quant_max), 0, 0, "int32"
