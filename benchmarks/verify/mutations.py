@@ -39,7 +39,7 @@ import torch
 from onnx import helper, numpy_helper
 from torch import nn
 
-__all__ = ["MUTATIONS", "DefectOutcome", "Mutation", "judge_defect", "mutate", "run_file"]
+__all__ = ["MUTATIONS", "DefectOutcome", "Mutation", "judge_defect", "mutate", "remove_pair", "run_file"]
 
 Mutation = Callable[[onnx.ModelProto], onnx.ModelProto | None]
 
@@ -187,14 +187,17 @@ def drop_qdq(model: onnx.ModelProto) -> onnx.ModelProto | None:
     graph_outputs = {o.name for o in model.graph.output}
     if any(dq.output[0] in graph_outputs for dq in dqs):
         return None
+    remove_pair(model, q, dqs)
+    return model
+
+
+def remove_pair(model: onnx.ModelProto, q: onnx.NodeProto, dqs: Sequence[onnx.NodeProto]) -> None:
+    """Remove the pair ``q -> dqs`` from ``model`` in place; the DQs' readers read the float tensor ``q`` read."""
     renamed = {dq.output[0]: q.input[0] for dq in dqs}
     for node in model.graph.node:
-        for i, name in enumerate(node.input):
-            if name in renamed:
-                node.input[i] = renamed[name]
+        node.input[:] = [renamed.get(name, name) for name in node.input]
     for node in (q, *dqs):
         model.graph.node.remove(node)
-    return model
 
 
 def duplicate_qdq(model: onnx.ModelProto) -> onnx.ModelProto | None:

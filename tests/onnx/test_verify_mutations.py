@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 import coreai_opt
-from benchmarks.verify.mutations import MUTATIONS, judge_defect, mutate
+from benchmarks.verify.mutations import MUTATIONS, judge_defect, mutate, remove_pair
 from coreai_opt.onnx import export_onnx, verify_onnx
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.verify.fusion_report import optimized_model
@@ -157,6 +157,14 @@ def test_dropped_pair_is_reported_missing_at_its_own_call(exported: Callable[[st
     assert call in [q.call for q in clean_report.quantizers]  # compared there, absent from the mutated file
 
 
+def _w8a8_exported(module: nn.Module, batches: list[tuple[torch.Tensor, ...]], path: Path) -> tuple[nn.Module, Path]:
+    """``module`` prepared w8a8 on ``batches[0]``, calibrated on ``batches[:2]``, converted and exported to ``path``."""
+    prepared = coreai_opt.prepare(module.eval(), coreai_opt.QuantizerConfig.presets.w8a8(), batches[0])
+    coreai_opt.calibrate(prepared, batches[:2], progress=False)
+    model = coreai_opt.convert(prepared)
+    return model, export_onnx(model, batches[0], path)
+
+
 class _TwoGatedLayers(nn.Module):
     """Both layers subtract the same ``(1 - gate) · 3`` (as hf-funnel's blocks each subtract ``(1 - mask) · 1e6``)."""
 
@@ -175,10 +183,7 @@ def test_duplicate_pair_the_exporter_merged_is_not_missing_but_dropping_it_is(tm
     values: ok, nothing missing. Dropping the kept pair (both readers read the float tensor) is still flagged at it."""
     torch.manual_seed(0)
     batches = [(torch.randn(8, 16), torch.rand(8, 16)) for _ in range(3)]
-    prepared = coreai_opt.prepare(_TwoGatedLayers().eval(), coreai_opt.QuantizerConfig.presets.w8a8(), batches[0])
-    coreai_opt.calibrate(prepared, batches[:2], progress=False)
-    model = coreai_opt.convert(prepared)
-    path = export_onnx(model, batches[0], tmp_path / "gated.onnx")
+    model, path = _w8a8_exported(_TwoGatedLayers(), batches, tmp_path / "gated.onnx")
     clean = onnx.load(str(path))
     graph = OnnxGraph(clean)
     gate_pairs = [q for q in clean.graph.node if q.op_type == "QuantizeLinear" and "mul" in q.input[1]]
@@ -189,10 +194,7 @@ def test_duplicate_pair_the_exporter_merged_is_not_missing_but_dropping_it_is(tm
     assert report.ok, str(report)
     assert not [q for q in report.quantizers if q.rule == "missing"]
 
-    for node in clean.graph.node:  # drop the kept pair: both subtractions read the float gate
-        node.input[:] = [gate_pairs[0].input[0] if name == dq.output[0] else name for name in node.input]
-    clean.graph.node.remove(gate_pairs[0])
-    clean.graph.node.remove(dq)
+    remove_pair(clean, gate_pairs[0], [dq])  # drop the kept pair: both subtractions read the float gate
     onnx.save(clean, str(tmp_path / "dropped.onnx"))
     dropped = verify_onnx(model, tmp_path / "dropped.onnx", batches[2:])
     missing = [q.call for q in dropped.quantizers if q.rule == "missing"]
@@ -221,10 +223,7 @@ def test_dropped_pair_whose_requantization_repeats_its_codes_is_still_missing(tm
 
     torch.manual_seed(0)
     batches = [(torch.randn(8, 16),) for _ in range(3)]
-    prepared = coreai_opt.prepare(_ResidualNorm().eval(), coreai_opt.QuantizerConfig.presets.w8a8(), batches[0])
-    coreai_opt.calibrate(prepared, batches[:2], progress=False)
-    model = coreai_opt.convert(prepared)
-    path = export_onnx(model, batches[0], tmp_path / "residual.onnx")
+    model, path = _w8a8_exported(_ResidualNorm(), batches, tmp_path / "residual.onnx")
     clean = onnx.load(str(path))
     graph = OnnxGraph(clean)
     q_sum = next(q for q in clean.graph.node if q.op_type == "QuantizeLinear" and graph.producer(q.input[0]) is not None
@@ -234,10 +233,7 @@ def test_dropped_pair_whose_requantization_repeats_its_codes_is_still_missing(tm
     assert requant.op_type == "QuantizeLinear" and requant.input[1] == q_sum.input[1]  # same grid, a second call
     assert verify_onnx(model, path, batches[2:]).ok
 
-    for node in clean.graph.node:
-        node.input[:] = [q_sum.input[0] if name == dq_sum.output[0] else name for name in node.input]
-    clean.graph.node.remove(q_sum)
-    clean.graph.node.remove(dq_sum)
+    remove_pair(clean, q_sum, [dq_sum])
     onnx.save(clean, str(tmp_path / "dropped.onnx"))
     (dropped_call,) = traced_calls(onnx.load(str(path))) - traced_calls(clean)
     report = verify_onnx(model, tmp_path / "dropped.onnx", batches[2:])
