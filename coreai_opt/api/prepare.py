@@ -4,7 +4,8 @@ The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
     capture (→ functionalize_inplace) → check_finite_weights → decompose_attention → decompose_silu → classify_ops →
     functionalize_weights → fold_batchnorm → fold_attention_scale → annotate → insert_quantizers →
-    check_activation_axes → int8_compute_inputs (weight-only linears with ``matmul_compute="int8"``)
+    check_activation_axes → quantize_kv_cache (``config.kv_cache``) → int8_compute_inputs (weight-only linears
+    with ``matmul_compute="int8"``)
     → insert_weight_statistics
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -42,6 +43,7 @@ from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.int8_compute_inputs import int8_compute_inputs
+from coreai_opt.passes.quantize_kv_cache import quantize_kv_cache
 
 __all__ = ["prepare"]
 
@@ -139,6 +141,8 @@ def prepare(
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module
     check_activation_axes(gm, example_inputs, kwargs)
+    if config.kv_cache is not None:  # a KV-cache decoder's cache as codes (QuantizerConfig.kv_cache)
+        gm = quantize_kv_cache(gm, config.kv_cache).graph_module
     gm = int8_compute_inputs(gm).graph_module  # matmul_compute="int8": eager emulates MatMulNBits' int8 input
     gm = insert_weight_statistics(gm).graph_module  # data-aware weight rounding observes the linears' inputs
     warn_unmatched_entries(config, model, op_kinds, len(fake_quantizers(gm)) + len(bias_quantizers(gm)),

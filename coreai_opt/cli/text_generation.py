@@ -38,6 +38,9 @@ def check_task_options(args: argparse.Namespace) -> None:
         CliError: Naming the option to drop.
     """
     if args.task != TEXT_GENERATION:
+        if getattr(args, "kv_cache", "float") != "float":
+            raise CliError(f"--kv-cache {args.kv_cache} quantizes a decoder's KV cache; it needs --task "
+                           f"{TEXT_GENERATION} (a Hugging Face causal LM directory)")
         return
     given = [flag for flag, value in (("--calib-data", args.calib_data), ("--input", args.inputs),
                                       ("--input-shape", args.input_shape), ("--calib-images", args.calib_images),

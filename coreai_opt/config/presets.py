@@ -14,8 +14,8 @@
   ``names()`` (the calibrated presets every model takes, which the zoo sweeps) but in ``all_names()`` (every preset
   ``get`` and the CLI's ``--preset`` accept).
 
-``describe()`` returns this list as (name, weight summary, activation summary) rows, computed from the
-presets themselves.
+``describe()`` returns this list as (name, weight summary, activation summary) rows built from the presets;
+``int8_kv_cache()`` is a spec (``QuantizerConfig.kv_cache``: a decoder's KV cache), not a config.
 
 Choices:
 
@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from coreai_opt.config.kv_cache_spec import int8_kv_cache
 from coreai_opt.config.op_config import OpConfig
 from coreai_opt.config.quantizer_config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
@@ -321,9 +322,7 @@ _PRESETS: dict[str, Callable[..., QuantizerConfig]] = {
 }
 
 #: Presets outside ``names()``: per-op-kind configs that need no calibration (transformer linears only).
-_DYNAMIC_PRESETS: dict[str, Callable[..., QuantizerConfig]] = {
-    "w8a8_dynamic": w8a8_dynamic,
-}
+_DYNAMIC_PRESETS: dict[str, Callable[..., QuantizerConfig]] = {"w8a8_dynamic": w8a8_dynamic}
 
 
 @public_api
@@ -391,6 +390,7 @@ class Presets:
     w8a16 = staticmethod(w8a16)
     fp8 = staticmethod(fp8)
     w8a8_dynamic = staticmethod(w8a8_dynamic)
+    int8_kv_cache = staticmethod(int8_kv_cache)
     names = staticmethod(names)
     all_names = staticmethod(all_names)
     get = staticmethod(get)

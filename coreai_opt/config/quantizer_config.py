@@ -110,6 +110,10 @@ class QuantizerConfig(BaseModel):
             weight's blocked dimension (e.g. a 3-channel stem conv under block 32): ``"error"`` (prepare raises,
             listing every such layer) or ``"per_channel"`` (that layer uses per-output-channel scales instead,
             with a warning listing the layers).
+        kv_cache: Spec of a KV-cache decoder's cache (``DecoderWithCache``, ``--task text-generation``), or None
+            (float cache). Each layer's appended keys and values get a calibrated quantizer of this spec
+            (:mod:`coreai_opt.passes.quantize_kv_cache`) and the ONNX file stores the cache as its codes;
+            :func:`coreai_opt.config.presets.int8_kv_cache` is onnxruntime's per-head, per-channel int8 cache.
 
     Example:
         >>> cfg = QuantizerConfig.presets.w8a8().set_op_kind("softmax", None)
@@ -132,8 +136,9 @@ class QuantizerConfig(BaseModel):
     fold_attention_scale: StrictBool = True
     fixed_range_outputs: StrictBool = True
     per_block_fallback: Literal["error", "per_channel"] = "error"
+    kv_cache: QuantizationSpec | None = None
 
-    @field_validator("weight", "activation", mode="before")
+    @field_validator("weight", "activation", "kv_cache", mode="before")
     @classmethod
     def _coerce_global_spec(cls, value: Any, info: Any) -> QuantizationSpec | None:
         return spec_from_value(value, f"QuantizerConfig.{info.field_name}")
@@ -296,6 +301,7 @@ class QuantizerConfig(BaseModel):
             "fold_attention_scale": self.fold_attention_scale,
             "fixed_range_outputs": self.fixed_range_outputs,
             "per_block_fallback": self.per_block_fallback,
+            "kv_cache": spec_to_dict(self.kv_cache),
         }
 
     @staticmethod

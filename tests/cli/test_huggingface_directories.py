@@ -229,6 +229,25 @@ def test_quantize_llama_directory_for_text_generation_writes_a_kv_cache_decoder_
         "logits", "present.0.key", "present.0.value", "present.1.key", "present.1.value"]
 
 
+def test_quantize_llama_with_an_int8_kv_cache_writes_int8_cache_codes_that_generate_like_eager(
+        capsys, tiny_llama_dir, calib_text, tmp_path):
+    import onnxruntime as ort
+
+    output = tmp_path / "llama.onnx"
+    code, out, err = _run(capsys, "quantize", str(tiny_llama_dir), "--task", "text-generation", "--preset", "w4",
+                          "--kv-cache", "int8", "--calib-text", str(calib_text), "-o", str(output))
+    assert code == 0, err
+    record = json.loads(output.with_name("llama.generation.json").read_text())
+    assert record["ok"] is True and record["tokens_identical"] == record["tokens"] == 4 * 32
+    session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+    assert {i.type for i in session.get_inputs()[3:]} == {o.type for o in session.get_outputs()[1:]} == {"tensor(int8)"}
+
+
+def test_int8_kv_cache_without_the_text_generation_task_is_refused(capsys, tiny_bert_dir):
+    code, _, err = _run(capsys, "quantize", str(tiny_bert_dir), "--kv-cache", "int8")
+    assert code == 2 and "--kv-cache int8 quantizes a decoder's KV cache; it needs --task text-generation" in err
+
+
 def test_text_generation_task_on_an_encoder_or_with_plain_path_options_is_refused(capsys, tiny_bert_dir, calib_text):
     code, _, err = _run(capsys, "quantize", str(tiny_bert_dir), "--task", "text-generation", "--calib-text",
                         str(calib_text), "--seq-len", str(SEQ_LEN))

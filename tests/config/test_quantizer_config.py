@@ -435,7 +435,9 @@ def test_to_dict_layout_is_plain_and_json_serialisable():
         "fold_attention_scale",
         "fixed_range_outputs",
         "per_block_fallback",
+        "kv_cache",
     ]
+    assert data["kv_cache"] is None
     assert data["op_kind"]["softmax"] is None
     assert data["op_kind"]["linear"] == {"activation": None}
     assert data["module_type"][f"{MyConv.__module__}.MyConv"] == {}

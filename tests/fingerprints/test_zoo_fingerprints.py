@@ -6,7 +6,12 @@ The 21 activation-quantizing cases (w8a8, w8a8_sym, w4a8, w8a16, fp8; w8a8 with 
 their ``truediv`` / ``mul`` by a number and their non-spatial ``mean`` lost their own quantizers,
 so their quantizer lists and graphs changed. The other cases were kept: weight-only and dynamic presets annotate
 no elementwise op or mean, and annotating every zoo model under w8a8 found these ops only in those three models.
-``zoo_fingerprints.json`` was last re-recorded (Dec 5, issue 32) when the rule ``attention_to_group_query_attention``
+``zoo_fingerprints.json`` was last re-recorded (Dec 5, issue 32) when the rule ``int8_kv_cache`` joined the
+post-passes (``QuantizerConfig.kv_cache``: a decoder's KV cache stored as int8 codes): in all 68 cases the
+quantizers, stored values, eager outputs and graph sha256 are unchanged (no zoo model is a KV-cache decoder); only
+``onnx_structure_sha256`` and ``onnx_file_sha256`` of the 67 exported cases changed (the rewrite report in the model
+metadata lists the new rule). Before that it was re-recorded (Dec 5, issue 32) when the rule
+``attention_to_group_query_attention``
 joined the post-passes (branch gqa merged with main): in all 68 cases the quantizers, stored values, eager outputs
 and graph sha256 are unchanged (no zoo model is a KV-cache decoder); only ``onnx_structure_sha256`` and
 ``onnx_file_sha256`` of the 67 exported cases changed, because the rewrite report in the model metadata lists the

@@ -82,6 +82,9 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argpa
     data.add_argument("--task", choices=[TEXT_GENERATION], help="text-generation: a Hugging Face causal LM as one "
                       "decoder with a KV cache (onnxruntime-genai's input / output names), checked by greedy "
                       "generation")
+    data.add_argument("--kv-cache", choices=["float", "int8"], default="float", help="with --task text-generation: "
+                      "the KV cache in float (default) or as int8 codes, one calibrated scale per head and channel "
+                      "(onnxruntime's quantized GroupQueryAttention cache; a quarter of the memory)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--preset", default="w8a8", metavar="NAME",
                        help=f"QuantizerConfig preset: {', '.join(PRESET_NAMES)} (default: w8a8)")
@@ -130,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
     auto.check_auto_options(args)
     check_task_options(args)
     config, config_name = load_config(args.preset, args.config, task=args.task)
+    if args.kv_cache == "int8":
+        from coreai_opt.config.kv_cache_spec import int8_kv_cache
+
+        config.kv_cache, config_name = int8_kv_cache(), f"{config_name}.kv8"
     config_name = "auto" if args.auto else config_name
     check_data_sources(args)
     output = args.output or Path(f"{default_model_name(args.model)}.{config_name}.onnx")

@@ -18,20 +18,23 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 8. ``rms_norms_to_simplified_layer_norm``: ``w · x · rsqrt(mean(x²) + ε)`` as elementwise ops ->
    ``SimplifiedLayerNormalization`` (onnxruntime folds it with the residual ``Add`` into the skip variant).
 9. ``attention_to_group_query_attention``: the KV-cache decoder's attention block (rotary, cache ``Concat``,
-   causal + padding mask, grouped scores) -> ``RotaryEmbedding`` per q / k + one ``GroupQueryAttention``.
-10. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
-11. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
-12. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
-13. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
-14. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
-15. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
+   causal + padding mask, grouped scores) -> ``RotaryEmbedding`` per q / k + one ``GroupQueryAttention`` (with an
+   int8 cache and ``k_scale`` / ``v_scale`` when the cache is quantized).
+10. ``int8_kv_cache``: any other quantized cache ``Concat(past, DQ(Q(k)))`` -> int8 cache codes read back as
+    ``Cast · S`` (exact).
+11. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
+12. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
+13. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
+14. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
+15. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
+16. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
     ``ReduceSum`` (OpenVINO folds that dequantization into the sum wrongly; onnxruntime stays bit-exact).
-16. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
+17. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
     (TF-style "same" padding; onnxruntime fuses neither the pad nor the requantization around it).
-17. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-18. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-19. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
-20. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+18. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+19. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+20. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+21. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
     ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
@@ -66,6 +69,7 @@ from coreai_opt.onnx.rewrite.rules.gather_quantized_rows import GatherQuantizedR
 from coreai_opt.onnx.rewrite.rules.guard_4bit_activations import GuardFourBitActivations
 from coreai_opt.onnx.rewrite.rules.guard_float8_activations import GuardFloat8Activations
 from coreai_opt.onnx.rewrite.rules.guard_quantized_sums import GuardQuantizedSums
+from coreai_opt.onnx.rewrite.rules.int8_kv_cache import Int8KvCache
 from coreai_opt.onnx.rewrite.rules.linears_to_gemm import LinearsToGemm
 from coreai_opt.onnx.rewrite.rules.means_to_global_average_pool import MeansToGlobalAveragePool
 from coreai_opt.onnx.rewrite.rules.means_to_sum_and_divide import MeansToSumAndDivide
@@ -86,6 +90,7 @@ POST_PASSES: tuple[Rule, ...] = (
     FuseSharedInputMatMulNBits(),
     RmsNormsToSimplifiedLayerNorm(),
     AttentionToGroupQueryAttention(),
+    Int8KvCache(),
     FoldConstantActivations(),
     LinearsToGemm(),
     CollapseReshapes(),

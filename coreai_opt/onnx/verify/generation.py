@@ -126,7 +126,11 @@ def compare_greedy(model: nn.Module, path: str | os.PathLike[str], prompts: Sequ
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    runs = [(greedy_tokens(ort_step(session), p.numpy(), past, count), e) for p, e in zip(prompts, eager, strict=True)]
+    # an int8 KV cache (QuantizerConfig.kv_cache) takes its empty past as int8 codes
+    file_past = [p.astype(np.int8) if i.type == "tensor(int8)" else p for p, i in zip(past, session.get_inputs()[3:],
+                                                                                       strict=True)]
+    runs = [(greedy_tokens(ort_step(session), p.numpy(), file_past, count), e)
+            for p, e in zip(prompts, eager, strict=True)]
     firsts: list[int | None] = []
     margins: list[float | None] = []
     for (ours, _), (theirs, logits) in runs:

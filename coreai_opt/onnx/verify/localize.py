@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.verify.cache_codes import cache_scales
 from coreai_opt.onnx.verify.fusion_report import optimized_model
 from coreai_opt.onnx.verify.int8_compute_steps import beyond_int8_steps, int8_layer_inputs
 from coreai_opt.onnx.verify.ort_kernels import Status, kernel_numerics
@@ -369,9 +370,8 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
     with tempfile.TemporaryDirectory(prefix="coreai_opt_localize_") as tmp:
         instrumented = instrumented_copy(exported, tensors, Path(tmp))
         session = ort.InferenceSession(str(instrumented), providers=list(providers))
-        names = [i.name for i in session.get_inputs()]
-        computed = dict(zip(tensors, session.run(tensors, {n: t.numpy() for n, t in zip(names, batch, strict=True)}),
-                            strict=True))
+        feed = cache_scales(model, exported.graph).feed([i.name for i in session.get_inputs()], batch)
+        computed = dict(zip(tensors, session.run(tensors, feed), strict=True))
         values = [computed[b.tensor] for b in boundaries]
         optimized = optimized_model(instrumented, "all")
         unchanged = _kernel_counts(instrumented) == _kernel_counts(path)

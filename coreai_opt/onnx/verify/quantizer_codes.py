@@ -94,6 +94,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.verify.cache_codes import cache_scales
 from coreai_opt.onnx.verify.fusion_report import optimized_model
 from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerReference
 from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
@@ -341,6 +342,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     if not boundaries:
         return ()
     traced, rebuilt = traced_calls(exported), untraced_scales(exported)
+    codes = cache_scales(model, exported.graph)
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
         # the loaded file itself becomes the instrumented copy, released before onnxruntime loads it: one copy of
         # the weights at a time (the file, then the optimized dump, whose weights stay on disk, then the session)
@@ -362,7 +364,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         options.log_severity_level = 3
         session = ort.InferenceSession(str(instrumented), options, providers=list(providers))
         names = [i.name for i in session.get_inputs()]
-        values = session.run(tensors, {n: t.numpy() for n, t in zip(names, batch, strict=True)})
+        values = session.run(tensors, codes.feed(names, batch))
         del session
     bounds = tensor_bounds(optimized)
     boundary_tensors = set(tensors)

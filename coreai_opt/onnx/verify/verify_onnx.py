@@ -49,6 +49,7 @@ from torch import nn
 
 from coreai_opt.api.internals.input_checks import input_check
 from coreai_opt.error_boundary import public_api
+from coreai_opt.onnx.verify.cache_codes import cache_scales
 from coreai_opt.onnx.verify.fusion_report import FusionReport, fusion_report, optimized_model
 from coreai_opt.onnx.verify.int8_compute_steps import int8_step_units
 from coreai_opt.onnx.verify.localize import Divergence, localize_divergence
@@ -183,10 +184,6 @@ def _refuse_empty(batches: list[tuple[torch.Tensor, ...]]) -> None:
                              "nothing proves nothing: pass batches with at least one sample")
 
 
-def _feed(names: Sequence[str], batch: tuple[torch.Tensor, ...]) -> dict[str, np.ndarray]:
-    return {name: t.detach().cpu().numpy() for name, t in zip(names, batch, strict=True)}
-
-
 def _run_eager(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> list[np.ndarray]:
     with torch.no_grad():
         outputs = model(*batch)
@@ -248,6 +245,8 @@ def verify_onnx(
     graph_model = onnx.load(str(path), load_external_data=False)  # released before the eager forwards
     file_inputs = graph_input_names(graph_model.graph)
     steps = output_steps_of(graph_model)
+    codes = cache_scales(model, graph_model.graph)  # an int8 KV cache: fed and compared as the eager floats
+    batches = [codes.snap(batch) for batch in batches] if codes else batches
     del graph_model
     for i, batch in enumerate(batches):  # before the eager forward, which would fail with torch's own TypeError
         if len(batch) != len(file_inputs):
@@ -263,7 +262,7 @@ def verify_onnx(
     refs: list[list[np.ndarray]] = [[] for _ in output_names]
     gots: list[list[np.ndarray]] = [[] for _ in output_names]
     for i, batch in enumerate(batches):
-        onnx_out = runner.run(_feed(input_names, batch))
+        onnx_out = codes.values(runner.run(codes.feed(input_names, batch)))
         if len(eager[i]) != len(onnx_out):
             raise ValueError(f"the eager model returned {len(eager[i])} output(s), the ONNX model {len(onnx_out)}")
         for k, (ref, got) in enumerate(zip(eager[i], onnx_out, strict=True)):
@@ -272,7 +271,7 @@ def verify_onnx(
     del runner, eager  # the sessions below load the file again: never hold two copies of its weights at once
     tolerances = derive_tolerances(optimized_model(path, "all"), set(steps))
     layers = {name: t.int8_layer for name, t in tolerances.items() if t.rule == "int8 compute" and t.int8_layer}
-    units = int8_step_units(path, layers, [_feed(input_names, b) for b in batches], providers) if layers else {}
+    units = int8_step_units(path, layers, [codes.feed(input_names, b) for b in batches], providers) if layers else {}
     outputs = tuple(
         compare_output(name, refs[k], gots[k], steps.get(name), tolerances.get(name), units.get(name))
         for k, name in enumerate(output_names)

@@ -9,8 +9,11 @@ Float8: ``y = fp8(clamp(x / s, ±finfo.max)) · s`` (ONNX ``saturate=1``). Deriv
 ``"int32"``, ``z = 0``): ``y = clamp(round(x / s), qmin, qmax) · s``.
 
 Broadcasting: a 0-d scale is per-tensor; with ``block_size == 0`` a 1-D scale runs along ``axis``
-(per-channel); with ``block_size > 0`` the scale has the tensor's rank and repeats ``block_size`` times
-along ``axis`` (ONNX opset-21 blocking). ``x`` and ``scale`` must be float32 (FakeQuantize casts fp16/bf16).
+(per-channel) and a scale of the tensor's rank broadcasts as torch broadcasts (``PerAxes``: e.g.
+``(1, heads, 1, head_dim)``; ONNX: the formula in elementwise ops, ``Cast(Clip(Round(x / s) + z))`` to the
+integer type and back); with ``block_size > 0`` the scale has the tensor's rank and repeats
+``block_size`` times along ``axis`` (ONNX opset-21 blocking). ``x`` and ``scale`` must be float32 (FakeQuantize
+casts fp16/bf16).
 
 Gradient (straight-through estimator): ``∂y/∂x = 1[qmin ≤ round(x / s) + z ≤ qmax]`` (0 where clamped;
 float8: ``1[|x / s| ≤ finfo.max]``); no gradient flows to ``scale`` or ``zero_point``.
@@ -44,7 +47,7 @@ INT32_FLOAT_BOUNDS: tuple[float, float] = (-2147483648.0, 2147483520.0)
 
 def _broadcast(qparam: Tensor, x: Tensor, axis: int, block_size: int) -> Tensor:
     """Broadcast a scale / zero point of ONNX qparam shape against ``x``."""
-    if qparam.dim() == 0:
+    if qparam.dim() == 0 or (block_size == 0 and qparam.dim() == x.dim() > 1):
         return qparam
     if block_size > 0:
         return qparam.repeat_interleave(block_size, dim=axis)
@@ -196,12 +199,26 @@ def _bound_like_x(op: Any, bound: Any, x: Any, scale: Any, axis: int, block_size
 
 def _translate(op: Any, opset: int, x: Any, scale: Any, zero_point: Any, quant_min: int, quant_max: int,
                axis: int, block_size: int, dtype: str) -> Any:
+    broadcast = block_size == 0 and len(scale.shape) == len(x.shape) > 1
     _check_expressible(opset, dtype, block_size)
     info = get_dtype_info(dtype, allow_internal=True)
     per_tensor = len(scale.shape) == 0
     attrs: dict[str, int] = {} if per_tensor else {"axis": axis % len(x.shape)}
     if block_size > 0:
         attrs["block_size"] = block_size
+    if broadcast and (info.is_float or dtype == "int32"):
+        raise ValueError(f"a scale broadcast over several axes (PerAxes) is written for integer dtypes up to 16 bits, "
+                         f"got dtype {dtype!r}; use PerChannel / PerTensor for it")
+    if broadcast:
+        # Gap: QuantizeLinear has no multi-axis scale, and onnxruntime 1.32's transpose optimizer breaks a blocked
+        # (block_size 1) QuantizeLinear of a Transpose (it moves the Transpose, not the scale: "x_scale and x must
+        # have the same shape"). The op's own formula in elementwise ops, with the scale broadcast: the same
+        # float32 operations as eager, so the same bits; the codes are an explicit Cast to the integer type.
+        zf = op.Cast(zero_point, to=TensorProto.FLOAT)
+        q = op.Clip(op.Add(op.Round(op.Div(x, scale)), zf), op.Constant(value_float=float(quant_min)),
+                    op.Constant(value_float=float(quant_max)))
+        codes = op.Cast(q, to=info.onnx_type)
+        return op.Mul(op.Sub(op.Cast(codes, to=TensorProto.FLOAT), zf), scale)
     if dtype == "int32":
         # Gap: QuantizeLinear has no INT32 output. Quantize by hand (Div + Round = torch's round-half-even of
         # x / s), clip to float32-exact int32 bounds so the Cast cannot overflow, then DequantizeLinear.

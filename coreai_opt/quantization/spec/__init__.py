@@ -17,6 +17,7 @@ from coreai_opt.lazy_exports import lazy_getattr
 from coreai_opt.quantization.spec.dtypes import SUPPORTED_DTYPES, QuantDtype, get_dtype_info
 from coreai_opt.quantization.spec.granularity import (
     Granularity,
+    PerAxes,
     PerBlock,
     PerChannel,
     PerTensor,
@@ -107,6 +108,7 @@ __all__ = [
     "PerBlock",
     "PerChannel",
     "PerTensor",
+    "PerAxes",
     "PerToken",
     "PercentileRangeCalculator",
     "QPARAMS_CALCULATORS",

@@ -10,6 +10,10 @@ granularity                 scale / zero-point shape for a tensor of shape ``s``
 ``PerBlock(axis, B)``       ``s`` with ``s[axis]`` replaced by ``s[axis] // B`` (B must divide it)
 ``PerToken()``              ``s`` with the last dimension replaced by 1 (one row per token: ONNX
                             blocked along the last axis with ``block_size = s[-1]``)
+``PerAxes(axes)``           ``s`` with every dimension not in ``axes`` replaced by 1 (one scale per index
+                            combination of ``axes``, e.g. ``(1, 3)``: per key / value head and channel of a
+                            ``(batch, heads, sequence, head_dim)`` KV cache; ONNX: the scale expanded to
+                            ``x``'s shape, blocked with ``block_size = 1``)
 ==========================  =====================================================================
 
 Every calculator works on the *rows view* of a tensor: a 2-D tensor ``(R, N)`` whose row ``r`` holds
@@ -34,6 +38,7 @@ __all__ = [
     "PerChannel",
     "PerBlock",
     "PerToken",
+    "PerAxes",
     "granularity_from_dict",
 ]
 
@@ -63,7 +68,7 @@ def _normalize_axis(axis: int, rank: int, what: str) -> int:
 
 
 class Granularity:
-    """Base of the four granularities. Subclasses are frozen dataclasses (hashable, comparable)."""
+    """Base of the five granularities. Subclasses are frozen dataclasses (hashable, comparable)."""
 
     type_name: ClassVar[str]
 
@@ -223,7 +228,54 @@ class PerToken(Granularity):
         return {"type": self.type_name}
 
 
-_BY_NAME: dict[str, type[Granularity]] = {c.type_name: c for c in (PerTensor, PerChannel, PerBlock, PerToken)}
+@dataclass(frozen=True)
+class PerAxes(Granularity):
+    """One scale per index combination of ``axes``; the qparam keeps the tensor's rank (1 on the other axes).
+
+    ``PerAxes((1, 3))`` on a ``(batch, heads, sequence, head_dim)`` tensor has qparams of shape
+    ``(1, heads, 1, head_dim)``: one scale per head and channel, shared by every batch row and position, which
+    is onnxruntime's ``PER_CHANNEL`` KV-cache quantization (``GroupQueryAttention``'s ``k_scale`` / ``v_scale``).
+    The rows view orders rows as the qparam does (row-major over ``axes``, ascending). Axes count from the end
+    when negative and must be distinct; a tensor's rank must be fixed (the qparam has it).
+    """
+
+    axes: tuple[int, ...] = (1, 3)
+    type_name: ClassVar[str] = "per_axes"
+
+    def __post_init__(self) -> None:
+        axes = tuple(self.axes) if isinstance(self.axes, (list, tuple)) else self.axes
+        if (not isinstance(axes, tuple) or not axes
+                or any(not isinstance(a, int) or isinstance(a, bool) for a in axes)):
+            raise TypeError(f"PerAxes axes must be a non-empty tuple of ints, got {self.axes!r}")
+        object.__setattr__(self, "axes", axes)
+
+    def _axes(self, rank: int) -> tuple[int, ...]:
+        axes = sorted(_normalize_axis(a, rank, "per-axes") for a in self.axes)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"PerAxes axes {self.axes} name the same axis twice for a tensor of rank {rank}")
+        return tuple(axes)
+
+    def qparam_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:  # noqa: D102
+        axes = self._axes(len(shape))
+        return tuple(int(n) if i in axes else 1 for i, n in enumerate(shape))
+
+    def to_rows(self, x: Tensor) -> Tensor:  # noqa: D102
+        axes = self._axes(x.dim())
+        rows = math.prod(x.shape[a] for a in axes)
+        return x.permute(*axes, *(i for i in range(x.dim()) if i not in axes)).reshape(rows, -1)
+
+    def expand(self, qparam: Tensor, x: Tensor) -> Tensor:  # noqa: D102
+        return qparam.reshape(self.qparam_shape(x.shape))
+
+    def onnx_axis(self, rank: int) -> int:  # noqa: D102
+        return self._axes(rank)[-1]
+
+    def to_dict(self) -> dict[str, Any]:  # noqa: D102
+        return {"type": self.type_name, "axes": list(self.axes)}
+
+
+_BY_NAME: dict[str, type[Granularity]] = {c.type_name: c for c in (PerTensor, PerChannel, PerBlock, PerToken,
+                                                                   PerAxes)}
 
 
 def granularity_from_dict(data: dict[str, Any] | Granularity) -> Granularity:
@@ -244,7 +296,7 @@ def granularity_from_dict(data: dict[str, Any] | Granularity) -> Granularity:
     cls = _BY_NAME[kind]
     fields = {k: v for k, v in data.items() if k != "type"}
     allowed = {"per_tensor": set(), "per_channel": {"axis"}, "per_block": {"axis", "block_size"},
-               "per_token": set()}[kind]
+               "per_token": set(), "per_axes": {"axes"}}[kind]
     unknown = set(fields) - allowed
     if unknown:
         raise ValueError(

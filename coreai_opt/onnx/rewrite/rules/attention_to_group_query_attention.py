@@ -21,6 +21,13 @@ and ``GroupQueryAttention(rot(q), rot(k), v, past_key, past_value, seqlens_k, to
 attention_bias)`` (``com.microsoft``, ``do_rotary=0``, ``scale`` = s), which writes ``present.{i}.key / value``
 itself (BNSH).
 
+**An int8 cache** (``QuantizerConfig.kv_cache``, :mod:`coreai_opt.onnx.rewrite.kv_cache_codes`): when the new keys
+and values reach the cache ``Concat`` through the cache quantizers (``S · Cast(q)``, one scale per head and
+channel), the kernel takes the float new keys / values, int8 ``past_key`` / ``past_value`` / presents and
+``k_scale`` / ``v_scale`` = ``S`` (``k_quant_type = v_quant_type = "PER_CHANNEL"``, ``kv_cache_bit_width = 8``):
+onnxruntime quantizes the new positions itself, to the same codes as eager (tests/onnx/test_int8_kv_cache.py:
+every cached code and every greedy token identical).
+
 **Why rotary is not inside the kernel.** ``GroupQueryAttention(do_rotary=1)`` of onnxruntime 1.32 (CPU) rotates
 every row of a prompt of batch > 1 by row 0's ``position_ids``: a left-padded row (Hugging Face's positions
 ``cumsum(mask) - 1``) still gets the right logits (rotary is relative) but caches keys rotated by the padding
@@ -79,6 +86,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
+from coreai_opt.onnx.rewrite.kv_cache_codes import CacheCodes, cache_codes, store_as_codes
 from coreai_opt.onnx.rewrite.rotary_site import ancestors, rotary_tables, rotate_half_of
 from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN, Fail, Match, Rule
 
@@ -101,6 +109,7 @@ class _Site(Match):
     heads: int
     kv_heads: int
     scale: float
+    codes: tuple[CacheCodes, CacheCodes] | None  # a quantized cache (int8 past / present, k_scale / v_scale)
 
 
 def _op(node: onnx.NodeProto | None, op_type: str) -> bool:
@@ -214,8 +223,13 @@ class AttentionToGroupQueryAttention(Rule):
         if shape is None or not isinstance(shape[1], int) or not isinstance(shape[3], int):
             return Fail("the key cache's heads / head size are not recorded")
         kv_heads, size = shape[1], shape[3]
-        rotated_k = rotate_half_of(graph, present_key.input[1], size // 2)
-        value = _heads_of(graph, present_value.input[1])
+        codes = tuple(cache_codes(graph, c.input[1]) for c in (present_key, present_value))
+        if (codes[0] is None) != (codes[1] is None):
+            return Fail("one of the key / value caches is quantized, the other not")
+        new_key, new_value = (c.input[1] if q is None else q.new
+                              for c, q in zip((present_key, present_value), codes, strict=True))
+        rotated_k = rotate_half_of(graph, new_key, size // 2)
+        value = _heads_of(graph, new_value)
         if rotated_k is None or value is None:
             return Fail("the new keys are not rotate-half rotary over the whole head (partial / interleaved rotary) "
                         "or the values are not a head-split projection")
@@ -258,7 +272,7 @@ class AttentionToGroupQueryAttention(Rule):
         return _Site(node, (query, key, value), (present_key.input[0], present_value.input[0]),
                      (present_key, present_value), output, padding[1], padding[0], position_ids,
                      (tables[0][:, :size // 2].copy(), tables[1][:, :size // 2].copy()), heads, kv_heads,
-                     float(scale.reshape(-1)[0]))
+                     float(scale.reshape(-1)[0]), None if codes[0] is None else (codes[0], codes[1]))
 
     @staticmethod
     def _cache(graph: OnnxGraph, concat: onnx.NodeProto | None) -> onnx.NodeProto | None:
@@ -286,6 +300,12 @@ class AttentionToGroupQueryAttention(Rule):
         cos = graph.shared_constant("gqa_cos_cache", match.cos_sin[0])
         sin = graph.shared_constant("gqa_sin_cache", match.cos_sin[1])
         query, key, value = match.projections
+        quantized: list[str] = []
+        attributes: dict[str, object] = {}
+        if match.codes is not None:  # int8 cache: the kernel quantizes the new keys / values with the same S
+            quantized = ["", *(store_as_codes(graph, past, present.output[0], codes) for past, present, codes in
+                               zip(match.past, match.presents, match.codes, strict=True))]
+            attributes = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
         rotary = [helper.make_node("RotaryEmbedding", [x, match.position_ids, cos, sin],
                                    [graph.unique_name(f"{x}_rotary")],
                                    name=graph.unique_node_name(f"{stem}_rotary_{part}"), domain=CONTRIB_DOMAIN,
@@ -293,10 +313,11 @@ class AttentionToGroupQueryAttention(Rule):
                   for part, x in (("query", query), ("key", key))]
         attention = helper.make_node(
             "GroupQueryAttention",
-            [rotary[0].output[0], rotary[1].output[0], value, *match.past, seqlens, total, "", "", "", bias],
+            [rotary[0].output[0], rotary[1].output[0], value, *match.past, seqlens, total, "", "", "", bias,
+             *quantized],
             [match.output.output[0], match.presents[0].output[0], match.presents[1].output[0]],
             name=graph.unique_node_name(f"{stem}_group_query_attention"), domain=CONTRIB_DOMAIN,
-            num_heads=match.heads, kv_num_heads=match.kv_heads, scale=match.scale, do_rotary=0)
+            num_heads=match.heads, kv_num_heads=match.kv_heads, scale=match.scale, do_rotary=0, **attributes)
         for present in match.presents:
             graph.remove(present)
         graph.replace(match.output, [*rotary, attention])
