@@ -218,3 +218,33 @@ def test_the_childs_budget_alarm_interrupts_the_running_stage_and_names_it() -> 
            "export"}
     assert failure_classes([row]) == [("timeout in export", "BudgetExceeded: over the N s budget of the child in "
                                        "export", 1, 0)]
+
+
+class _HaloLike(torch.nn.Module):
+    """Runs only when its stride-32 feature map is divisible by a block of 4 (as halo attention): 128, 256, ..."""
+
+    feature_info = [{"reduction": 32}]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert (x.shape[-1] // 32) % 4 == 0
+        return x.mean((2, 3))
+
+
+def test_timm_resolution_is_the_smallest_step_multiple_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.sweep import catalog
+
+    assert catalog.timm_resolution("resnet18") == catalog.IMAGE == 64  # runs at the sweep's size: kept
+    assert catalog.timm_resolution("deepseek_vit_412m") == 70  # patch 14: 64 does not divide, 5 x 14 does
+    catalog.timm_resolution.cache_clear()
+    monkeypatch.setattr(catalog, "_timm_create", lambda arch, size=64: _HaloLike())
+    assert catalog.timm_resolution("resnet18") == 128  # 96 has a 3 x 3 feature map, 128 a 4 x 4
+    catalog.timm_resolution.cache_clear()
+    monkeypatch.setattr(_HaloLike, "forward", lambda self, x: (_ for _ in ()).throw(RuntimeError("never runs")))
+    assert catalog.timm_resolution("resnet18") == 224  # no size below the default runs: the default input size
+    catalog.timm_resolution.cache_clear()
+
+
+def test_timm_entry_draws_images_at_its_resolution() -> None:
+    entry = entry_named("timm-deepseek_vit-deepseek_vit_412m")
+    (images,) = entry.inputs(torch.Generator().manual_seed(0), 2)
+    assert images.shape == (2, 3, 70, 70)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -35,7 +37,8 @@ from benchmarks.corpus.models import CorpusModel, SingleInput, TokenClassifierIn
 from coreai_opt.reference_models import randomize_batchnorm
 
 __all__ = ["SIZE_ORDER", "SMALL_SIZES", "SUFFIX_SIZES", "TIMM_SHRINK", "entry_named", "hf_entries", "shrink_config",
-           "smallest_timm_variants", "sweep_entries", "timm_entries", "timm_families", "timm_parameters"]
+           "smallest_timm_variants", "sweep_entries", "timm_entries", "timm_families", "timm_parameters",
+           "timm_resolution"]
 
 NUM_LABELS = 4
 SEQ = 16
@@ -237,16 +240,67 @@ def _size_rank(name: str) -> tuple[int, int, str]:
     return (min(ranks) if ranks else len(SIZE_ORDER), len(name), name)
 
 
-def _timm_create(arch: str) -> nn.Module:
-    """``arch`` with the first set of :data:`TIMM_SHRINK` size arguments it accepts (on the current device)."""
+def _timm_create(arch: str, size: int = IMAGE) -> nn.Module:
+    """``arch`` with the first set of :data:`TIMM_SHRINK` size arguments it accepts (on the current device), the
+    resolution set to ``size`` where the architecture takes one."""
     import timm
 
     for extra in TIMM_SHRINK[:-1]:
         try:
-            return timm.create_model(arch, pretrained=False, num_classes=NUM_LABELS, **extra)
+            return timm.create_model(arch, pretrained=False, num_classes=NUM_LABELS,
+                                     **{**extra, **({"img_size": size} if "img_size" in extra else {})})
         except TypeError:
             continue
     return timm.create_model(arch, pretrained=False, num_classes=NUM_LABELS, **TIMM_SHRINK[-1])
+
+
+def _timm_size_step(model: nn.Module) -> int:
+    """The input size ``model``'s resolution must be a multiple of: its patch size and its last feature stride
+    (their least common multiple; 1 when it names neither)."""
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    patch = max(patch) if isinstance(patch, (tuple, list)) else patch
+    info = getattr(model, "feature_info", None)
+    reduction = info[-1].get("reduction") if isinstance(info, list) and info and isinstance(info[-1], dict) else None
+    return math.lcm(*(int(v) for v in (patch, reduction) if isinstance(v, int) and v > 0)) or 1
+
+
+def _timm_runs_at(arch: str, size: int) -> bool:
+    """Whether ``arch`` built for ``size`` runs a ``size`` x ``size`` image (on the meta device: shapes only)."""
+    with warnings.catch_warnings(), torch.device("meta"), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            _timm_create(arch, size)(torch.empty(1, 3, size, size))
+        except Exception:  # noqa: BLE001 - any failure means "not at this size"
+            return False
+    return True
+
+
+@functools.cache
+def timm_resolution(arch: str) -> int:
+    """The smallest input size ``arch`` runs at: :data:`IMAGE` if it runs there, else the first multiple of its size
+    step (:func:`_timm_size_step`: its patch size and last feature stride) above :data:`IMAGE` that runs, up to its
+    ``pretrained_cfg``'s default ``input_size``, which is the fallback. Sizes are tried on the meta device
+    (shapes only, a fraction of a second each).
+
+    Halo attention needs every feature map divisible by its block size, a patch embedding a multiple of its patch,
+    an Inception stem a large enough image: the model's config and shapes say what works, no table does.
+    """
+    declare_torchvision_ops()
+    from timm.models import get_pretrained_cfg
+
+    if _timm_runs_at(arch, IMAGE):
+        return IMAGE
+    cfg = get_pretrained_cfg(arch)
+    default = int(cfg.input_size[-1]) if cfg is not None and cfg.input_size else IMAGE
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        step = _timm_size_step(_timm_create(arch, IMAGE))
+    size = (IMAGE // step + 1) * step
+    while size < default:
+        if _timm_runs_at(arch, size):
+            return size
+        size += step
+    return default
 
 
 def timm_parameters(arch: str) -> int:
@@ -260,13 +314,18 @@ def timm_parameters(arch: str) -> int:
 def _timm_build(arch: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         declare_torchvision_ops()
-        return randomize_batchnorm(_timm_create(arch)).eval()
+        return randomize_batchnorm(_timm_create(arch, timm_resolution(arch))).eval()
 
     return build
 
 
+def _timm_images(arch: str) -> Callable[[torch.Generator, int], tuple[Tensor]]:
+    """Images at :func:`timm_resolution` (found on the first batch drawn, not when the catalog is listed)."""
+    return lambda gen, batch: images(timm_resolution(arch))(gen, batch)
+
+
 def _timm_entry(family: str, arch: str) -> CorpusModel:
-    return CorpusModel(f"timm-{family}-{arch}", "timm", _timm_build(arch), images(IMAGE), ("x",), "classifier")
+    return CorpusModel(f"timm-{family}-{arch}", "timm", _timm_build(arch), _timm_images(arch), ("x",), "classifier")
 
 
 def timm_families() -> dict[str, list[str]]:
