@@ -248,3 +248,51 @@ def test_timm_entry_draws_images_at_its_resolution() -> None:
     entry = entry_named("timm-deepseek_vit-deepseek_vit_412m")
     (images,) = entry.inputs(torch.Generator().manual_seed(0), 2)
     assert images.shape == (2, 3, 70, 70)
+
+
+def test_shrink_config_reads_and_shrinks_a_heterogeneous_per_layer_config() -> None:
+    import transformers
+
+    text = transformers.AutoConfig.for_model("dots3_note").text_config  # per_layer_config: heads per layer type
+    small = shrink_config(text)
+    assert small.num_hidden_layers == 2 and len(small.layer_types) == 2
+    small.allow_global_per_layer_attribute_access = True
+    assert (small.num_attention_heads, small.kv_lora_rank, small.qk_nope_head_dim) == (2, 16, 16)
+    for layer in range(2):  # each layer's own values shrink by the same rules (64 heads, rank 1024 upstream)
+        assert small.per_layer_config[layer].num_attention_heads == 2
+        assert small.per_layer_config[layer].kv_lora_rank == 16
+
+
+def test_shrink_config_scales_counts_of_some_layers_with_the_layer_count() -> None:
+    import transformers
+
+    text = transformers.AutoConfig.for_model("gemma3n").text_config
+    assert (text.num_hidden_layers, text.num_kv_shared_layers) == (35, 15)
+    small = shrink_config(text)
+    assert (small.num_hidden_layers, small.num_kv_shared_layers) == (2, 0)  # 15 * 2 // 35
+    assert small.kv_sharing_modes == [None, None]  # upstream raised: shared layers without a producing layer
+    assert small.vocab_size == small.vocab_size_per_layer_input == VOCAB  # 262144 per-layer embedding rows
+
+
+def test_a_model_class_built_on_a_sub_config_gets_that_sub_config() -> None:
+    import transformers
+
+    from benchmarks.sweep.catalog import _config_for
+
+    composite = transformers.AutoConfig.for_model("musicgen")  # text encoder + audio encoder + decoder
+    decoder = _config_for(composite, transformers.MusicgenForCausalLM.config_class)
+    assert decoder is composite.decoder and type(decoder).__name__ == "MusicgenDecoderConfig"
+    bert = transformers.BertConfig()
+    assert _config_for(bert, transformers.BertConfig) is bert
+    assert type(_config_for(bert, transformers.GPT2Config)) is transformers.GPT2Config  # none inside: the default
+
+
+@pytest.mark.parametrize("name", ["hf-dots3_note", "hf-musicgen"])
+def test_formerly_unbuildable_configs_build_and_run(name: str) -> None:
+    """Each failed to build (a per-layer attribute read globally; a causal LM given its composite config)."""
+    entry = entry_named(name)
+    model = entry.build()
+    batch = entry.inputs(torch.Generator().manual_seed(0), 4)  # musicgen reads rows as batch x its 4 codebooks
+    with torch.no_grad():
+        out = model(*batch)
+    assert out.shape[0] == 4 and torch.isfinite(out).all()

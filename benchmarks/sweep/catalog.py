@@ -6,8 +6,10 @@ classification, image classification, audio classification, causal LM), each wit
 rebuilt small through its constructor (:func:`shrink_config`): the size fields it has are set small
 (:data:`SMALL_SIZES`, :data:`SUFFIX_SIZES`: head parts, low ranks, experts), stage lists get one block per stage and
 widths divided by one factor (the first becomes 16; a ``*channels`` field equal to a stage width follows it), another
-name for the model width follows ``hidden_size``, per-layer lists follow the layer count, sub-configs shrink the same
-way, the vocabulary is :data:`VOCAB`, and the special tokens the heads read exist (a pad token; every input row ends
+name for the model width follows ``hidden_size``, per-layer lists follow the layer count (and a count of some of the
+layers scales with it; a heterogeneous ``per_layer_config`` shrinks layer by layer), sub-configs shrink the same
+way (a model class built on one sub-config, a causal LM on a composite config's decoder, gets that one), every
+vocabulary is :data:`VOCAB`, and the special tokens the heads read exist (a pad token; every input row ends
 in one end-of-sequence token). A model that asks for a default language gets the config's first.
 ``timm`` families are the modules of ``timm.list_models()``; each runs the variant with the fewest parameters among
 its smallest-named (:data:`SIZE_ORDER`, :func:`smallest_timm_variants`), ``pretrained=False``, at a reduced
@@ -71,10 +73,39 @@ _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "decoder_layers",
 
 def _field_values(config: Any) -> dict[str, Any]:
     """The constructor fields of ``config`` and their values (dataclass fields; else its ``__dict__``)."""
-    if dataclasses.is_dataclass(config):
-        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init and
-                hasattr(config, f.name)}
-    return dict(vars(config))
+    heterogeneous = getattr(config, "is_heterogeneous", False)  # per-layer values: read the global ones
+    with _global_per_layer_access(config) if heterogeneous else contextlib.nullcontext():
+        if dataclasses.is_dataclass(config):
+            return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init and
+                    hasattr(config, f.name)}
+        return dict(vars(config))
+
+
+@contextlib.contextmanager
+def _global_per_layer_access(config: Any) -> Any:
+    """Let a heterogeneous (``per_layer_config``) transformers config answer its per-layer fields globally."""
+    before = config.allow_global_per_layer_attribute_access
+    config.allow_global_per_layer_attribute_access = True
+    try:
+        yield
+    finally:
+        config.allow_global_per_layer_attribute_access = before
+
+
+def _shrunk_per_layer_config(config: Any, hidden: int | None, layers: int) -> dict[int, dict[str, Any]]:
+    """The ``per_layer_config`` of a heterogeneous config for its first ``layers`` layers, each layer's size fields
+    shrunk by the same rules as the global ones (so the layers stay consistent with each other)."""
+    shrunk: dict[int, dict[str, Any]] = {}
+    for index in range(layers):
+        layer = config.per_layer_config[index]
+        values = {}
+        for attr in sorted(config.per_layer_attributes):
+            value = getattr(layer, attr)
+            small = _small_int(attr, value, hidden, {}) if isinstance(value, int) and not isinstance(value, bool) \
+                else None
+            values[attr] = value if small is None else small
+        shrunk[index] = values
+    return shrunk
 
 
 def _small_int(key: str, value: int, hidden: int | None, widths: dict[int, int]) -> int | None:
@@ -136,8 +167,18 @@ def _shrunk_fields(config: Any) -> dict[str, Any]:
         elif isinstance(value, list) and layers and _run_length(value) == layers:
             pattern = value[0][0]  # [[pattern, repeats], ...]: the first pattern, repeated to the layer count
             changes[key] = [[pattern, max(1, SMALL_SIZES["num_hidden_layers"] // len(pattern))]]
+    small_layers = SMALL_SIZES["num_hidden_layers"]
+    for key, value in values.items():  # a count of some of the layers (shared-cache ones, ...) scales with them
+        if (layers and key.endswith("_layers") and key not in _LAYER_COUNTS and key not in changes
+                and isinstance(value, int) and not isinstance(value, bool) and 0 < value < layers):
+            changes[key] = value * small_layers // layers
+    if getattr(config, "is_heterogeneous", False) and layers:
+        changes["per_layer_config"] = _shrunk_per_layer_config(config, hidden, small_layers)
+    for key, value in values.items():  # the LM head is the largest matmul of a small decoder (and per-layer tables)
+        if key.startswith("vocab_size") and isinstance(value, int) and value > VOCAB:
+            changes[key] = VOCAB
     if "vocab_size" in values:
-        changes["vocab_size"] = VOCAB  # the LM head is the largest matmul of a small decoder
+        changes["vocab_size"] = VOCAB
     if "pad_token_id" in values and values["pad_token_id"] is None:
         changes["pad_token_id"] = PAD_ID  # sequence classifiers find each row's last token by it
     if "eos_token_id" in values:
@@ -192,13 +233,25 @@ def _audio(gen: torch.Generator, batch: int) -> tuple[Tensor]:
     return (0.1 * torch.randn(batch, 1600, generator=gen),)
 
 
+def _config_for(config: Any, wanted: type) -> Any:
+    """``config`` if the model class takes its type, else its sub-config of the type the class takes (a composite
+    config's decoder, for a causal LM built on the decoder alone), else the class's own default config."""
+    if isinstance(config, wanted):
+        return config
+    with contextlib.nullcontext() if not getattr(config, "is_heterogeneous", False) else \
+            _global_per_layer_access(config):
+        found = [v for v in vars(config).values() if isinstance(v, wanted)]
+    return found[0] if found else wanted()
+
+
 def _hf_build(model_type: str, class_name: str, wrap: Callable[[nn.Module], nn.Module]) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         declare_torchvision_ops()
         import transformers
 
-        config = shrink_config(transformers.AutoConfig.for_model(model_type))
-        model = getattr(transformers, class_name)(config)
+        model_class = getattr(transformers, class_name)
+        config = shrink_config(_config_for(transformers.AutoConfig.for_model(model_type), model_class.config_class))
+        model = model_class(config)
         languages = getattr(config, "languages", None)
         if hasattr(model, "set_default_language") and languages:  # adapters per language need one chosen
             model.set_default_language(languages[0])
