@@ -128,8 +128,8 @@ def _untranslatable(exc: BaseException) -> UntranslatableOpError | None:
         return None
     op, why, source = failure
     namespace = op.split(".")[0]
-    if "real-valued" in why:  # torch's wording when no function exists at all
-        why = "no ONNX function is registered for it"
+    if "real-valued" in why:  # torch's wording when no function exists at all: the cause below says it
+        why = ""
     if "complex" in why and "real-valued" not in why:
         cause = "ONNX has no complex tensors and torch's exporter translates only a few ops on them"
         fix = ("compute that part in real arithmetic (rotary embeddings with cos / sin instead of torch.polar / "
@@ -143,7 +143,8 @@ def _untranslatable(exc: BaseException) -> UntranslatableOpError | None:
         cause = "torch's exporter has no ONNX function for it"
         fix = "rewrite that line with ops torch's exporter translates"
     return UntranslatableOpError(
-        f"torch.onnx.export cannot translate op {op} (from {source}) to ONNX: {why}; {cause}. Fix: {fix}, or "
+        f"torch.onnx.export cannot translate op {op} (from {source}) to ONNX: {f'{why}; ' if why else ''}{cause}. "
+        f"Fix: {fix}, or "
         "keep that code out of the exported model (export the part before it)")
 
 
