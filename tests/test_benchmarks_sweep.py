@@ -277,7 +277,7 @@ def test_shrink_config_scales_counts_of_some_layers_with_the_layer_count() -> No
 def test_a_model_class_built_on_a_sub_config_gets_that_sub_config() -> None:
     import transformers
 
-    from benchmarks.sweep.catalog import _config_for
+    from benchmarks.sweep.small_config import config_for as _config_for
 
     composite = transformers.AutoConfig.for_model("musicgen")  # text encoder + audio encoder + decoder
     decoder = _config_for(composite, transformers.MusicgenForCausalLM.config_class)
