@@ -218,3 +218,81 @@ def test_the_childs_budget_alarm_interrupts_the_running_stage_and_names_it() -> 
            "export"}
     assert failure_classes([row]) == [("timeout in export", "BudgetExceeded: over the N s budget of the child in "
                                        "export", 1, 0)]
+
+
+class _HaloLike(torch.nn.Module):
+    """Runs only when its stride-32 feature map is divisible by a block of 4 (as halo attention): 128, 256, ..."""
+
+    feature_info = [{"reduction": 32}]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert (x.shape[-1] // 32) % 4 == 0
+        return x.mean((2, 3))
+
+
+def test_timm_resolution_is_the_smallest_step_multiple_that_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.sweep import catalog
+
+    assert catalog.timm_resolution("resnet18") == catalog.IMAGE == 64  # runs at the sweep's size: kept
+    assert catalog.timm_resolution("deepseek_vit_412m") == 70  # patch 14: 64 does not divide, 5 x 14 does
+    catalog.timm_resolution.cache_clear()
+    monkeypatch.setattr(catalog, "_timm_create", lambda arch, size=64: _HaloLike())
+    assert catalog.timm_resolution("resnet18") == 128  # 96 has a 3 x 3 feature map, 128 a 4 x 4
+    catalog.timm_resolution.cache_clear()
+    monkeypatch.setattr(_HaloLike, "forward", lambda self, x: (_ for _ in ()).throw(RuntimeError("never runs")))
+    assert catalog.timm_resolution("resnet18") == 224  # no size below the default runs: the default input size
+    catalog.timm_resolution.cache_clear()
+
+
+def test_timm_entry_draws_images_at_its_resolution() -> None:
+    entry = entry_named("timm-deepseek_vit-deepseek_vit_412m")
+    (images,) = entry.inputs(torch.Generator().manual_seed(0), 2)
+    assert images.shape == (2, 3, 70, 70)
+
+
+def test_shrink_config_reads_and_shrinks_a_heterogeneous_per_layer_config() -> None:
+    import transformers
+
+    text = transformers.AutoConfig.for_model("dots3_note").text_config  # per_layer_config: heads per layer type
+    small = shrink_config(text)
+    assert small.num_hidden_layers == 2 and len(small.layer_types) == 2
+    small.allow_global_per_layer_attribute_access = True
+    assert (small.num_attention_heads, small.kv_lora_rank, small.qk_nope_head_dim) == (2, 16, 16)
+    for layer in range(2):  # each layer's own values shrink by the same rules (64 heads, rank 1024 upstream)
+        assert small.per_layer_config[layer].num_attention_heads == 2
+        assert small.per_layer_config[layer].kv_lora_rank == 16
+
+
+def test_shrink_config_scales_counts_of_some_layers_with_the_layer_count() -> None:
+    import transformers
+
+    text = transformers.AutoConfig.for_model("gemma3n").text_config
+    assert (text.num_hidden_layers, text.num_kv_shared_layers) == (35, 15)
+    small = shrink_config(text)
+    assert (small.num_hidden_layers, small.num_kv_shared_layers) == (2, 0)  # 15 * 2 // 35
+    assert small.kv_sharing_modes == [None, None]  # upstream raised: shared layers without a producing layer
+    assert small.vocab_size == small.vocab_size_per_layer_input == VOCAB  # 262144 per-layer embedding rows
+
+
+def test_a_model_class_built_on_a_sub_config_gets_that_sub_config() -> None:
+    import transformers
+
+    from benchmarks.sweep.small_config import config_for as _config_for
+
+    composite = transformers.AutoConfig.for_model("musicgen")  # text encoder + audio encoder + decoder
+    decoder = _config_for(composite, transformers.MusicgenForCausalLM.config_class)
+    assert decoder is composite.decoder and type(decoder).__name__ == "MusicgenDecoderConfig"
+    bert = transformers.BertConfig()
+    assert _config_for(bert, transformers.BertConfig) is bert
+    assert type(_config_for(bert, transformers.GPT2Config)) is transformers.GPT2Config  # none inside: the default
+
+
+@pytest.mark.parametrize("name", ["hf-dots3_note", "hf-musicgen"])
+def test_formerly_unbuildable_configs_build_and_run(name: str) -> None:
+    """Each failed to build (a per-layer attribute read globally; a causal LM given its composite config)."""
+    entry = entry_named(name)
+    model = entry.build()
+    batch = entry.inputs(torch.Generator().manual_seed(0), 4)  # musicgen reads rows as batch x its 4 codebooks
+    with torch.no_grad():
+        out = model(*batch)
+    assert out.shape[0] == 4 and torch.isfinite(out).all()

@@ -88,3 +88,79 @@ def test_other_exporter_failures_are_not_retried(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="step 1/3") as info:
         co.export_onnx(converted, (x,), tmp_path / "m.onnx")
     assert not isinstance(info.value, ExportRouteError)
+
+
+class _ComplexRotation(nn.Module):
+    """A linear, then a complex-valued product (as complex rotary embeddings): ``view_as_complex`` -> ``unsqueeze``
+    on the complex tensor, which torch 2.13's exporter has no ONNX function for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.freqs = nn.Buffer(torch.polar(torch.ones(4), torch.arange(4.0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.view_as_complex(self.proj(x).reshape(x.shape[0], 4, 2))
+        rotated = c.unsqueeze(1) * self.freqs
+        return torch.view_as_real(rotated).flatten(1)
+
+
+def test_an_op_torch_cannot_translate_is_an_error_of_ours_naming_op_cause_and_line(tmp_path):
+    from coreai_opt.errors import CoreaiOptError
+    from coreai_opt.onnx.export.export_routes import UntranslatableOpError
+
+    torch.manual_seed(0)
+    model = _ComplexRotation().eval()
+    x = torch.randn(4, 8)
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), (x,))
+    co.calibrate(prepared, [x], progress=False)
+    converted = co.convert(prepared)
+    with pytest.raises(UntranslatableOpError) as caught:
+        co.export_onnx(converted, (x,), tmp_path / "complex.onnx")
+    message = str(caught.value)
+    assert isinstance(caught.value, CoreaiOptError) and isinstance(caught.value, ExportRouteError)
+    assert message.startswith("torch.onnx.export cannot translate op aten.unsqueeze.default (from ")
+    assert "test_export_routes.py:" in message  # the model's own line, from the node's stack-trace metadata
+    assert ": rotated = c.unsqueeze(1) * self.freqs) to ONNX: " in message
+    assert "No decompositions registered for the complex-valued input" in message
+    assert "Fix: compute that part in real arithmetic" in message
+    assert "coreai_opt bug" not in message and "Traceback" not in message and "step 3/3" not in message
+    assert type(caught.value.__cause__).__name__ == "ConversionError"  # torch's error stays chained
+
+
+@torch.library.custom_op("coreai_opt_test::scaled_sum", mutates_args=())
+def _scaled_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w.t()).sum(-1, keepdim=True) * 0.5
+
+
+@_scaled_sum.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], 1)
+
+
+class _CustomOpHead(nn.Module):
+    """A linear, then a library's custom op (as transformers' grouped expert matmul), opaque to the exporter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.coreai_opt_test.scaled_sum(self.proj(x), self.head)
+
+
+def test_a_custom_op_without_onnx_function_is_an_error_of_ours_naming_its_library(tmp_path):
+    from coreai_opt.onnx.export.export_routes import UntranslatableOpError
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    prepared = co.prepare(_CustomOpHead().eval(), co.QuantizerConfig.presets.w8a8(), (x,))
+    co.calibrate(prepared, [x], progress=False)
+    with pytest.raises(UntranslatableOpError) as caught:
+        co.export_onnx(co.convert(prepared), (x,), tmp_path / "custom.onnx")
+    message = str(caught.value)
+    assert message.startswith("torch.onnx.export cannot translate op coreai_opt_test.scaled_sum.default (from ")
+    assert "return torch.ops.coreai_opt_test.scaled_sum(self.proj(x), self.head)) to ONNX: it is a custom op of " \
+           "'coreai_opt_test', which torch's exporter cannot look inside and has no ONNX function for." in message
+    assert "Fix: choose coreai_opt_test's plain-PyTorch implementation" in message

@@ -13,7 +13,11 @@ The TorchScript exporter (``dynamo=False``) runs the real kernels instead and do
 
 Other dtypes (int4, int16, float8) and per-block scales need opset 21, which the TorchScript exporter does not
 reach; for them the route fails and the error names both routes. A warning says when the TorchScript route ran.
-Only decomposition failures are retried: every other failure (ours, or torch.export's capture) passes unchanged.
+Only decomposition failures are retried. A node the dynamo exporter has no ONNX function for (step 3/3, "Error when
+translating node": e.g. an op on a complex-valued tensor, which ONNX cannot hold and torch's exporter translates
+for a few ops only; ``custom_translation_table`` registers real-valued translations only, so coreai_opt cannot add
+one) raises :class:`UntranslatableOpError` naming the op, why, and the model's source line, read from the exported
+program's stack-trace metadata of that node. Every other failure (ours, or torch.export's capture) passes unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import io
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import onnx
@@ -34,7 +39,8 @@ from coreai_opt.errors import CoreaiOptRuntimeError
 from coreai_opt.quantization.ops.quantize_dequantize_op import INT32_FLOAT_BOUNDS
 from coreai_opt.quantization.spec.dtypes import get_dtype_info
 
-__all__ = ["ExportRouteError", "export_with_fallback", "torchscript_export", "TORCHSCRIPT_MAX_OPSET"]
+__all__ = ["ExportRouteError", "UntranslatableOpError", "export_with_fallback", "torchscript_export",
+           "TORCHSCRIPT_MAX_OPSET"]
 
 #: Highest opset the TorchScript exporter writes.
 TORCHSCRIPT_MAX_OPSET = 20
@@ -49,6 +55,97 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in \S+\n\s+(?P
 
 class ExportRouteError(CoreaiOptRuntimeError):
     """No export route could write the model; the message names the failing op, its source line and each route."""
+
+
+class UntranslatableOpError(ExportRouteError):
+    """torch's ONNX exporter has no translation for one node of the model; names the op, why and its source line."""
+
+
+_TRANSLATING = re.compile(r"Error when translating node .*?target=(?P<op>[\w.:]+)")
+_NO_FUNCTION = re.compile(r"Failure message: (?P<why>.+)")
+
+
+def _translation_failure(exc: BaseException) -> tuple[str, str, str] | None:
+    """``(op, why, source)`` when ``exc`` is the dynamo exporter failing to translate one node to ONNX, else None.
+
+    ``source`` is the innermost frame of the node's ``stack_trace`` metadata (``file:line: code``) outside torch and
+    coreai_opt (the model's line, not the tracer's), found on the node the exporter was translating (a local of its
+    frame in the traceback), or ``"<unknown source line>"``.
+    """
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__
+    translating = next((e for e in chain if _TRANSLATING.search(str(e))), None)
+    if type(exc).__name__ != "ConversionError" or translating is None:
+        return None
+    op = _TRANSLATING.search(str(translating))["op"].removeprefix("torch.ops.")
+    innermost = chain[-1]
+    found = _NO_FUNCTION.search(str(innermost))
+    why = found["why"].strip() if found else f"{type(innermost).__name__}: {_first_line_of(innermost)}"
+    return op, why, _node_source(chain)
+
+
+def _node_source(chain: list[BaseException]) -> str:
+    """Where the node the exporter was translating comes from.
+
+    The node is the local ``node`` of a frame in one of ``chain``'s tracebacks; the answer is the innermost frame of
+    its ``stack_trace`` metadata outside torch and coreai_opt (``file:line: code``), else the module that called it
+    (its ``nn_module_stack``), else ``"<unknown source line>"``.
+    """
+    for error in chain:
+        tb = error.__traceback__
+        while tb is not None:
+            node = tb.tb_frame.f_locals.get("node")
+            if isinstance(node, torch.fx.Node):
+                frames = [f for f in _FRAME.findall(node.meta.get("stack_trace") or "") if not _is_library_file(f[0])]
+                if frames:
+                    return f"{frames[-1][0]}:{frames[-1][1]}: {frames[-1][2].strip()}"
+                modules = list((node.meta.get("nn_module_stack") or {}).values())
+                if modules:
+                    path, kind = modules[-1]
+                    return f"module {path or '<root>'} ({getattr(kind, '__name__', kind)})"
+            tb = tb.tb_next
+    return "<unknown source line>"
+
+
+def _is_library_file(path: str) -> bool:
+    """Whether ``path`` is torch's or coreai_opt's own code (tracing frames, not the model's)."""
+    roots = (Path(torch.__file__).parent, Path(__file__).resolve().parents[2])
+    return any(Path(path).resolve().is_relative_to(root) for root in roots)
+
+
+def _first_line_of(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _untranslatable(exc: BaseException) -> UntranslatableOpError | None:
+    """The error of ours for a node torch's exporter cannot translate (None: ``exc`` is another failure)."""
+    failure = _translation_failure(exc)
+    if failure is None:
+        return None
+    op, why, source = failure
+    namespace = op.split(".")[0]
+    if "real-valued" in why:  # torch's wording when no function exists at all: the cause below says it
+        why = ""
+    if "complex" in why and "real-valued" not in why:
+        cause = "ONNX has no complex tensors and torch's exporter translates only a few ops on them"
+        fix = ("compute that part in real arithmetic (rotary embeddings with cos / sin instead of torch.polar / "
+               "view_as_complex)")
+    elif namespace not in ("aten", "prims"):
+        cause = (f"it is a custom op of {namespace!r}, which torch's exporter cannot look inside and has no ONNX "
+                 "function for")
+        fix = (f"choose {namespace}'s plain-PyTorch implementation of that layer if it has one (a config or "
+               "implementation switch), so torch.export records the ops inside it")
+    else:
+        cause = "torch's exporter has no ONNX function for it"
+        fix = "rewrite that line with ops torch's exporter translates"
+    return UntranslatableOpError(
+        f"torch.onnx.export cannot translate op {op} (from {source}) to ONNX: {f'{why}; ' if why else ''}{cause}. "
+        f"Fix: {fix}, or "
+        "keep that code out of the exported model (export the part before it)")
 
 
 def _is_decomposition_failure(exc: BaseException) -> bool:
@@ -74,11 +171,15 @@ def export_with_fallback(dynamo: Callable[[], Exported], torchscript: Callable[[
     """Run ``dynamo``; when its decomposition step fails, warn and run ``torchscript``.
 
     Raises:
+        UntranslatableOpError: dynamo has no ONNX translation for a node (names the op, why and its source line).
         ExportRouteError: both routes failed; names the op and source line dynamo failed at and both errors.
     """
     try:
         return dynamo()
     except Exception as exc:
+        untranslatable = _untranslatable(exc)
+        if untranslatable is not None:
+            raise untranslatable from exc
         if not _is_decomposition_failure(exc):
             raise
         dynamo_error = exc
