@@ -73,3 +73,44 @@ def test_defects_behind_the_inherited_flips_are_still_flagged(crop, defect: str,
     if outcome.status == "flagged":
         assert outcome.first_quantizer is not None
         assert outcome.first_rule in ("qparams", "steps", "mismatch", "missing"), outcome
+
+
+class _BiasedAttention(nn.Module):
+    """Attention with an additive bias (as samvit's relative positions): masked float Softmax, then attn @ v."""
+
+    def __init__(self, tokens: int = 49, dim: int = 32) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.randn(tokens, tokens))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).transpose(1, 2).flatten(2))
+
+
+def test_attention_average_step_gain_is_derived_from_the_files_scales(tmp_path: Path) -> None:
+    """One flipped probability code moves ``attn @ v`` by ``s_p · max|v| / s_y`` of its steps (> 1: an average of
+    values is finer than the values); rule 2 allows a quantizer behind it that many times the measured input steps.
+    Clean file ok; a 5 % scale defect is still flagged."""
+    from coreai_opt.onnx.rewrite.graph import OnnxGraph
+    from coreai_opt.onnx.verify.fusion_report import optimized_model
+    from coreai_opt.onnx.verify.tolerance import product_step_gain
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 49, 32),) for _ in range(3)]
+    prepared = coreai_opt.prepare(_BiasedAttention().eval(), coreai_opt.QuantizerConfig.presets.w8a8(), batches[0])
+    coreai_opt.calibrate(prepared, batches[:2], progress=False)
+    model = coreai_opt.convert(prepared)
+    path = export_onnx(model, batches[0], tmp_path / "attention.onnx")
+    graph = OnnxGraph(optimized_model(path, "all"))
+    products = [n for n in graph.nodes if n.op_type == "QLinearMatMul"]
+    assert len(products) == 2  # q @ k^T and attn @ v
+    attn_v = products[1]
+    s_p, s_v, z_v, s_y = (float(graph.constant(attn_v.input[i])) for i in (1, 4, 5, 6))
+    expected = max(s_p * s_v * max(abs(255 - z_v), z_v) / s_y, s_v * s_p * 255 / s_y)
+    assert product_step_gain(attn_v, graph) == pytest.approx(expected, rel=1e-6)
+    assert expected > 2  # the averaged output is finer than one probability step times a value
+    report = verify_onnx(model, path, batches[2:])
+    assert report.ok, str(report)
+    outcome = judge_defect(model, path, batches[2:], "scale_x1.05", tmp_path)
+    assert outcome.status == "flagged" and outcome.first_quantizer is not None, outcome
