@@ -92,7 +92,7 @@ from coreai_opt.onnx.rewrite.matmul_nbits_weight import INT8_EMULATED_SUFFIX
 from coreai_opt.onnx.verify.ort_kernels import KernelNumerics, Status, is_int8_compute, kernel_numerics
 
 __all__ = ["PathBound", "OutputTolerance", "derive_tolerances", "FLOAT_PRECISION", "UNDERIVED_RELATIVE",
-           "INT8_COMPUTE_DERIVED_MAX_K"]
+           "INT8_COMPUTE_DERIVED_MAX_K", "product_step_gain"]
 
 #: Float outputs without activation quantizers (weight-only models) may differ by this fraction of their range.
 FLOAT_PRECISION = 1e-4
@@ -260,6 +260,34 @@ def _through(node: onnx.NodeProto, entry: KernelNumerics | None, inputs: list[Pa
     gain_one = entry.status is Status.EXACT or node.op_type in _AVERAGING
     int8_layer = merged.int8_layer if gain_one or merged.int8_layer is None else ""
     return replace(merged, inexact=inexact, gain_known=merged.gain_known and gain_one, int8_layer=int8_layer)
+
+
+# Integer products of two quantized operands (inputs 0 and 3) -> the index of their output scale.
+_PRODUCT_KERNELS = {"QLinearMatMul": 6, "QLinearConv": 6, "NhwcQLinearConv": 6, "QGemm": 7}
+
+
+def product_step_gain(node: onnx.NodeProto, graph: OnnxGraph) -> float | None:
+    """Output steps one input step of an integer product can move one of its terms by (None: not such a product).
+
+    ``max over operands of s · max|other| / s_y``, with ``max|other|`` bounded by the other operand's largest scale
+    times its code range about its zero point (255 / 128 steps for 8-bit codes): constants only, no weight loaded.
+    One flipped attention probability (step 1/256) times a value of the largest magnitude moves an averaged output
+    by up to this many steps: timm samvit_base blocks.0 attn @ v, 17.4 (probabilities) and 33 (values).
+    """
+    if node.op_type not in _PRODUCT_KERNELS or len(node.input) <= _PRODUCT_KERNELS[node.op_type]:
+        return None
+    y_scale = graph.constant(node.input[_PRODUCT_KERNELS[node.op_type]])
+    gains = []
+    for operand in (0, 3):
+        other = 3 - operand
+        scale, other_scale = graph.constant(node.input[operand + 1]), graph.constant(node.input[other + 1])
+        zero = graph.constant(node.input[other + 2]) if node.input[other + 2] else np.zeros((), np.uint8)
+        if scale is None or other_scale is None or y_scale is None or zero is None or zero.dtype.kind not in "iu":
+            return None
+        info, zero = np.iinfo(zero.dtype), zero.astype(np.int64)
+        codes = float(np.max(np.maximum(np.abs(info.max - zero), np.abs(info.min - zero))))
+        gains.append(float(np.max(np.abs(scale)) * np.max(np.abs(other_scale)) * codes / np.min(np.abs(y_scale))))
+    return max(gains)
 
 
 def tensor_bounds(model: onnx.ModelProto) -> dict[str, PathBound]:
