@@ -333,8 +333,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     """Statistics and verdict at every activation quantizer of ``path`` on one batch (module docstring).
 
     Args:
-        model: The converted model that was exported.
-        path: The ONNX file ``export_onnx`` wrote for it.
+        model: The converted model that was exported; path: the ONNX file ``export_onnx`` wrote for it.
         batch: One batch: a tuple of tensors, one per model input.
         providers: onnxruntime execution providers.
 
