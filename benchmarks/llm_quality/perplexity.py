@@ -100,7 +100,8 @@ def onnx_logits(path: Path, head_dim: int, threads: int = 1) -> Callable[[np.nda
     """Logits of a KV-cache decoder file (ours or onnxruntime-genai's) run as a prefill with an empty cache.
 
     Feeds ``input_ids``, ``attention_mask`` (ones), ``position_ids`` (``0 .. length-1``, when the file takes them)
-    and every ``past_key_values.*`` input as a ``(1, kv_heads, 0, head_dim)`` float32 tensor; returns output 0.
+    and every ``past_key_values.*`` input as a ``(1, kv_heads, 0, head_dim)`` float32 (int8 cache: int8) tensor;
+    returns output 0.
     ``head_dim`` is given because the builder declares that axis symbolic (``kv_cache_dim``).
     """
     import onnxruntime as ort
@@ -121,7 +122,8 @@ def onnx_logits(path: Path, head_dim: int, threads: int = 1) -> Callable[[np.nda
             elif arg.name == "position_ids":
                 feed[arg.name] = np.arange(length, dtype=np.int64)[None].repeat(batch, 0)
             elif arg.name.startswith("past_key_values"):
-                feed[arg.name] = np.zeros((batch, int(arg.shape[1]), 0, head_dim), np.float32)
+                codes = arg.type == "tensor(int8)"  # an int8 KV cache (QuantizerConfig.kv_cache)
+                feed[arg.name] = np.zeros((batch, int(arg.shape[1]), 0, head_dim), np.int8 if codes else np.float32)
             else:
                 raise ValueError(f"{path}: unexpected decoder input {arg.name!r}")
         return session.run([session.get_outputs()[0].name], feed)[0]

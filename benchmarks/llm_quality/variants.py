@@ -55,6 +55,8 @@ OUR_VARIANTS: tuple[OurVariant, ...] = (
     OurVariant("ours w4 gptq_mse", _w4(algorithm="gptq_mse")),
     OurVariant("ours w4 compute=int8 (acc. level 4)", _w4(compute="int8")),
     OurVariant("ours w4, embedding float", lambda: _presets().w4().set_op_kind("embedding", None)),  # type: ignore
+    OurVariant("ours w4 + int8 KV cache", lambda: _presets().w4().model_copy(  # type: ignore[attr-defined]
+        update={"kv_cache": _presets().int8_kv_cache()})),  # type: ignore[attr-defined]
 )
 
 

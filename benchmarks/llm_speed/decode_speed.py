@@ -59,6 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--genai-package", type=Path, default=None,
                         help="folder holding the onnxruntime_genai package, when this interpreter lacks it")
     parser.add_argument("--profile", action="store_true", help="add onnxruntime's per-op decode-step profile")
+    parser.add_argument("--int8-kv-cache", action="store_true",
+                        help="also write each of our files with an int8 KV cache (presets.int8_kv_cache()) and "
+                             "report its speed against the same file with the float cache")
 
 
 def make_model(folder: Path, sizes: dict[str, int]) -> Path:
@@ -111,21 +114,23 @@ def _builder_int4(model: Path, out: Path, genai_package: Path | None) -> Path:
     return path
 
 
-def _ours(model: Path, out: Path, compute: str) -> tuple[Path, float]:
-    """Our ``presets.w4(compute=compute)`` KV-cache file and the seconds it took."""
+def _ours(model: Path, out: Path, compute: str, int8_cache: bool = False) -> tuple[Path, float]:
+    """Our ``presets.w4(compute=compute)`` KV-cache file (``int8_cache``: the cache as int8 codes) and its seconds."""
     import pydoc_data.topics
 
     import coreai_opt as co
     from coreai_opt.graph.kv_cache_decoder import DecoderWithCache
 
-    path = out / f"w4_{compute}.onnx"
+    path = out / f"w4_{compute}{'_kv8' if int8_cache else ''}.onnx"
     start = time.perf_counter()
     if not path.exists():
         hf = co.from_pretrained(model, seq_len=PROMPT)
         decoder = DecoderWithCache(hf.model).eval()
         prompts = hf.prompt_ids([text[:400] for text in list(pydoc_data.topics.topics.values())[:8]])
         example = decoder.example_inputs()
-        prepared = co.prepare(decoder, co.QuantizerConfig.presets.w4(compute=compute), example, capture="export",
+        config = co.QuantizerConfig.presets.w4(compute=compute)
+        config.kv_cache = co.QuantizerConfig.presets.int8_kv_cache() if int8_cache else None
+        prepared = co.prepare(decoder, config, example, capture="export",
                               dynamic_shapes=decoder.capture_dynamic_shapes())
         co.calibrate(prepared, decoder.calibration_batches(prompts, 4))
         co.export_onnx(co.convert(prepared), example, path, task="text-generation")
@@ -150,7 +155,8 @@ class Generator:
         self.cache = [(i.name, i.name.replace("past_key_values", "present"))
                       for i in sess.get_inputs() if i.name.startswith("past_key_values")]
         self.positions = any(i.name == "position_ids" for i in sess.get_inputs())
-        self.empty = np.zeros((1, kv_heads, 0, head_dim), np.float32)
+        codes = any(i.type == "tensor(int8)" for i in sess.get_inputs())  # an int8 KV cache
+        self.empty = np.zeros((1, kv_heads, 0, head_dim), np.int8 if codes else np.float32)
 
     def step(self, ids: np.ndarray, past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Logits and the next past for ``ids`` after ``past``."""
@@ -236,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     for compute in args.computes:
         paths[f"ours w4 compute={compute}"], built[compute] = _ours(model, work, compute)
         print(f"ours w4 compute={compute}: {built[compute]:.0f} s", flush=True)
+        if args.int8_kv_cache:
+            paths[f"ours w4 compute={compute}, int8 KV cache"], _ = _ours(model, work, compute, int8_cache=True)
     rows = [_Row(name, path, Generator(session(path), *heads)) for name, path in paths.items()]
     prompt = (np.arange(PROMPT, dtype=np.int64) * 37 % (sizes["vocab_size"] - 3) + 3)[None]
     for row in rows:  # warm-up, and the tokens each file generates
@@ -263,6 +271,13 @@ def run(args: argparse.Namespace) -> int:
         decode = [a / b for a, b in zip(row.decode, base.decode, strict=True)]
         lines.append(f"| {row.name} | {statistics.median(row.prefill) * 1e3:.2f} | {statistics.median(row.decode):.0f}"
                      f" | {_spread(prefill)} | {_spread(decode)} | {_graph(row.path)} |")
+    by_name = {row.name: row for row in rows}
+    for row in rows:  # an int8 KV cache against the same file with the float cache, round by round
+        twin = by_name.get(row.name.removesuffix(", int8 KV cache"))
+        if twin is not None and twin is not row:
+            prefill = [a / b for a, b in zip(row.prefill, twin.prefill, strict=True)]
+            decode = [a / b for a, b in zip(row.decode, twin.decode, strict=True)]
+            lines.append(f"\n{row.name} / {twin.name}: prefill {_spread(prefill)}, decode tok/s {_spread(decode)}")
     lines += ["", "Greedy tokens (first 16) per file: " + "; ".join(
         f"{row.name}: {row.tokens[:16]}" for row in rows), ""]
     if args.profile:
