@@ -123,31 +123,44 @@ def test_the_file_stores_the_cache_as_int8_codes_with_the_calibrated_scales(expo
     np.testing.assert_array_equal(scales["present.0.key_scale"], key.numpy())
 
 
-def test_greedy_generation_and_every_cached_code_are_identical_in_onnxruntime_and_eager(exported) -> None:
+def test_onnxruntime_caches_the_codes_eager_caches_and_predicts_the_tokens_eager_predicts(exported) -> None:
+    """Teacher-forced on eager's greedy continuation (so one near tie cannot fork the two streams): every cached
+    code equal, or 1 step apart where the float key / value itself sat on a rounding tie (onnxruntime's float
+    kernels sum in another order); every predicted token equal, or a near tie of eager's logits."""
     family, converted, decoder, path = exported
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
-
-    def ort_step(ids, mask, positions, past):
-        out = session.run(None, dict(zip(names, (ids, mask, positions, *past), strict=True)))
-        return out[0], out[1:]
-
-    @torch.no_grad()
-    def eager_step(ids, mask, positions, past):
-        out = converted(*(torch.from_numpy(np.asarray(t)) for t in (ids, mask, positions, *past)))
-        return out[0].numpy(), [t.numpy() for t in out[1:]]
-
-    empty = [t.numpy() for t in decoder.empty_cache(1)]
     scales = [converted.kv_cache_quantizers.get_submodule(f"{i // 2}_{('key', 'value')[i % 2]}").calculator.scale
               for i in range(2 * decoder.num_layers)]
+    codes_differing, codes_total, flips = 0, 0, []
     for line in PROMPTS[:4]:
         prompt = tokenizer()(line)["input_ids"]
-        in_ort, codes = _greedy(ort_step, prompt, [e.astype(np.int8) for e in empty], NEW_TOKENS)
-        in_eager, values = _greedy(eager_step, prompt, empty, NEW_TOKENS)
-        assert in_ort == in_eager, family
-        for got, value, scale in zip(codes, values, scales, strict=True):
-            assert got.dtype == np.int8
-            np.testing.assert_array_equal(got, torch.round(torch.from_numpy(value) / scale).to(torch.int8).numpy())
+        past = [t.numpy() for t in decoder.empty_cache(1)]
+        codes = [p.astype(np.int8) for p in past]
+        ids = np.array([prompt], np.int64)
+        for _ in range(NEW_TOKENS):
+            start = past[0].shape[2]
+            feed = (ids, np.ones((1, start + ids.shape[1]), np.int64), np.arange(start, start + ids.shape[1])[None])
+            with torch.no_grad():
+                out = converted(*(torch.from_numpy(np.asarray(t)) for t in (*feed, *past)))
+            logits, past = out[0][0, -1].numpy(), [t.numpy() for t in out[1:]]
+            got = session.run(None, dict(zip(names, (*feed, *codes), strict=True)))
+            codes = got[1:]
+            token, theirs = int(np.argmax(logits)), int(np.argmax(got[0][0, -1]))
+            if token != theirs:
+                flips.append(float(logits[token] - logits[theirs]))
+            ids = np.array([[token]], np.int64)
+        for got_codes, value, scale in zip(codes, past, scales, strict=True):
+            expected = torch.round(torch.from_numpy(value) / scale).to(torch.int8).numpy().astype(np.int16)
+            difference = np.abs(got_codes.astype(np.int16) - expected)
+            assert got_codes.dtype == np.int8 and difference.max() <= 1, family
+            codes_differing += int((difference > 0).sum())
+            codes_total += difference.size
+    print(f"{family}: {codes_differing} of {codes_total} cached codes 1 step apart, token flips (margins) {flips}")
+    assert codes_differing <= 0.005 * codes_total, (family, codes_differing, codes_total)
+    if family == "llama":  # GroupQueryAttention quantizes the new keys / values itself: the same codes
+        assert codes_differing == 0 and flips == []
+    assert len(flips) <= 1 and all(margin < 1e-3 for margin in flips), (family, flips)  # 4 x 24 predictions
 
 
 def test_verify_onnx_feeds_and_compares_the_int8_cache_as_eager_values(exported) -> None:
@@ -159,6 +172,31 @@ def test_verify_onnx_feeds_and_compares_the_int8_cache_as_eager_values(exported)
     assert report.ok, str(report)
     cache = [o for o in report.outputs if o.name.startswith("present.")]
     assert cache and all(o.max_abs_diff == 0 for o in cache)  # codes equal, read back with the same scale
+
+
+def test_cache_scales_cover_every_calibration_batch_not_only_the_last_decode_step(tmp_path: Path) -> None:
+    """``s = max |k| / 127.5`` per head and channel over the prompts *and* their decode steps (``global_minmax``).
+
+    With a per-batch range the last batch, a one-token decode step, set the scales: 50 % of a held-out window's
+    codes saturated and the trained LM's perplexity went from 182.7 to 269.4 (benchmarks/llm_quality).
+    """
+    hf = co.from_pretrained(save_family("llama", tmp_path / "llama"), seq_len=16)
+    decoder = DecoderWithCache(hf.model).eval()
+    config = co.QuantizerConfig()
+    config.kv_cache = co.QuantizerConfig.presets.int8_kv_cache()
+    prepared = co.prepare(decoder, config, decoder.example_inputs(), capture="export",
+                          dynamic_shapes=decoder.capture_dynamic_shapes())
+    text = tokenizer()
+    batches = decoder.calibration_batches([torch.tensor(text(line)["input_ids"]) for line in CALIBRATION],
+                                          decode_steps=4)
+    co.calibrate(prepared, batches)
+    converted = co.convert(prepared)
+    with torch.no_grad():
+        presents = [decoder(*batch)[1:] for batch in batches]  # float weights: the keys / values observed
+    for index in range(2 * decoder.num_layers):
+        amax = torch.stack([p[index].abs().amax(dim=(0, 2), keepdim=True) for p in presents]).amax(dim=0)
+        quantizer = converted.kv_cache_quantizers.get_submodule(f"{index // 2}_{('key', 'value')[index % 2]}")
+        torch.testing.assert_close(quantizer.get_qparams().scale * 127.5, amax, rtol=1e-6, atol=0)
 
 
 def test_an_int8_cache_on_a_model_without_a_cache_is_refused_with_the_fix() -> None:

@@ -80,7 +80,7 @@ Kernel classes, from the non-exact onnxruntime kernels between this quantizer an
 
 Measured against defects (``tests/onnx/test_verify_mutations.py``, w8a8 zoo; corpus: ``benchmarks/verify/RESULTS.md``):
 the first quantizer a defect reaches differs in 3 % (2 % of one weight's codes +3, shape_unpack) to 100 % of its
-codes, with qparams defects caught by rule 1 at the quantizer they were written into.
+codes; qparams defects are caught by rule 1 where they were written.
 """
 
 from __future__ import annotations
@@ -333,7 +333,8 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     """Statistics and verdict at every activation quantizer of ``path`` on one batch (module docstring).
 
     Args:
-        model: The converted model that was exported; path: the ONNX file ``export_onnx`` wrote for it.
+        model: The converted model that was exported.
+        path: The ONNX file ``export_onnx`` wrote for it.
         batch: One batch: a tuple of tensors, one per model input.
         providers: onnxruntime execution providers.
 
@@ -349,8 +350,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     boundaries = quantizer_boundaries(exported)
     if not boundaries:
         return ()
-    traced, rebuilt = traced_calls(exported), untraced_scales(exported)
-    codes = cache_scales(model, exported.graph)
+    traced, rebuilt, codes = traced_calls(exported), untraced_scales(exported), cache_scales(model, exported.graph)
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
         # the loaded file itself becomes the instrumented copy, released before onnxruntime loads it: one copy of
         # the weights at a time (the file, then the optimized dump, whose weights stay on disk, then the session)
