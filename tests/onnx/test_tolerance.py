@@ -160,3 +160,24 @@ def test_dynamic_quantize_linear_adds_one_step_of_its_own_scale_even_behind_exac
              helper.make_node("DequantizeLinear", ["q", "qs", "qz"], ["y"])]
     (tol,) = derive_tolerances(_model(nodes, []), {"y"}).values()
     assert (tol.rule, tol.steps) == ("steps", 1)
+
+
+def test_product_fan_out_counts_the_outputs_one_input_element_reaches() -> None:
+    from coreai_opt.onnx.rewrite.graph import OnnxGraph
+    from coreai_opt.onnx.verify.tolerance import product_fan_out
+
+    weights = {"conv": np.zeros((28, 672, 1, 1), np.int8), "grouped": np.zeros((32, 4, 3, 3), np.int8),
+               "gemm": np.zeros((64, 10), np.int8), "gemm_t": np.zeros((10, 64), np.int8)}
+    operands = ["x", "s", "z"]
+    nodes = [helper.make_node("QLinearConv", [*operands, "conv", "s", "z", "s", "z"], ["a"], domain="com.microsoft"),
+             helper.make_node("QLinearConv", [*operands, "grouped", "s", "z", "s", "z"], ["b"], group=8),
+             helper.make_node("QGemm", [*operands, "gemm", "s", "z", "", "s", "z"], ["c"], domain="com.microsoft"),
+             helper.make_node("QGemm", [*operands, "gemm_t", "s", "z", "", "s", "z"], ["d"], domain="com.microsoft",
+                              transB=1),
+             helper.make_node("QLinearMatMul", [*operands, "x", "s", "z", "s", "z"], ["e"]),
+             helper.make_node("Relu", ["x"], ["f"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.UINT8, None)],
+                              [helper.make_tensor_value_info(n, TensorProto.UINT8, None) for n in "abcdef"],
+                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    g = OnnxGraph(helper.make_model(graph))
+    assert [product_fan_out(node, g) for node in g.nodes] == [28, 4 * 9, 10, 10, None, None]

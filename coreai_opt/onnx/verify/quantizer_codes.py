@@ -22,11 +22,11 @@ kernel class that judged it when all held):
 3. ``mismatch``: ``1 - identical ≤ base[class] + gain[class] · p_in + 3 / n``, where ``p_in`` is the largest
    ``1 - identical`` of the quantizers this one reads (:data:`MISMATCH_EXACT` / :data:`MISMATCH_INTEGER` /
    :data:`MISMATCH_FLOAT`, :data:`MISMATCH_GAIN`, :data:`MISMATCH_SLACK_CODES`). A quantizer may inherit what
-   the quantizers before it got wrong, but may add only what its own kernels can. Behind ``exact`` ops only,
-   ``p_in`` is also at least ``Σ m_in / n`` (``m_in``: the differing codes of each quantizer read, ``n``: this
-   one's codes): exact ops copy, select or combine elementwise, so this quantizer's differing codes are at most
-   the inputs' differing codes, a *fraction* that grows where an op keeps fewer elements than it read (swin_s3's
-   window reverse crops 301056 padded codes to 98304: 2.27 % -> 4.89 %, 4807 of the 6842 differing codes read).
+   the quantizers before it got wrong, but may add only what its own kernels can. Behind exact ops or one integer
+   product, ``p_in`` is also at least ``f · Σ m_in / n`` (``m_in``: the differing codes of each quantizer read,
+   ``n``: this one's codes, ``f``: 1 for exact ops, which copy, select or combine elementwise; the outputs one input
+   reaches for a product, :func:`~coreai_opt.onnx.verify.tolerance.product_fan_out`): a *fraction* that grows where
+   fewer codes come out than went in (swin_s3's window reverse: 2.27 % -> 4.89 %; efficientnet_b0's SE reduce).
 4. ``bias`` (``exact`` and ``integer`` classes): ``|Σd| ≤ BIAS_Z · sqrt(Σd²) + 1`` when every quantizer it reads
    has identical codes (:data:`BIAS_MAX_UPSTREAM` = 0). Float kernels are exempt: behind blocked int4 weights run
    in float they shift one way (conv_transpose_decoder w4a8, first conv: 1.25 % of 131072 codes differ, Σd = -917,
@@ -105,7 +105,7 @@ from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerRef
 from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
 from coreai_opt.onnx.verify.missing_calls import input_key, missing_calls, traced_calls, untraced_scales
 from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
-from coreai_opt.onnx.verify.tolerance import product_step_gain, tensor_bounds
+from coreai_opt.onnx.verify.tolerance import product_fan_out, product_step_gain, tensor_bounds
 
 __all__ = ["QuantizerCodes", "compare_quantizer_codes", "integer_kernel_of", "MISMATCH_EXACT", "MISMATCH_INTEGER",
            "MISMATCH_FLOAT", "MISMATCH_GAIN", "MISMATCH_SLACK_CODES", "BIAS_Z", "BIAS_MAX_UPSTREAM", "traced_calls"]
@@ -281,14 +281,14 @@ def _broadcast(values: np.ndarray, axis: int, ndim: int) -> np.ndarray:
     return values.reshape(shape)
 
 
-def _feeding(graph: OnnxGraph, tensor: str, boundaries: set[str]) -> tuple[str, set[str], float | None]:
-    """(kernel class, boundaries read, step gain: 1 if exact, one integer product's, else None) of ``tensor``."""
+def _feeding(graph: OnnxGraph, tensor: str, boundaries: set[str]) -> tuple[str, set[str], float | None, int | None]:
+    """(kernel class, boundaries read, step gain and fan-out: 1 if exact, one integer product's, else None)."""
     nodes, reached = non_exact_behind(graph, tensor, boundaries)
     if not nodes:
-        return "exact", reached, 1.0
-    entries = [kernel_numerics(node) for node in nodes]
-    gain = product_step_gain(nodes[0], graph) if len(nodes) == 1 else None
-    return ("integer" if all(e is not None and e.integer_output for e in entries) else "float"), reached, gain
+        return "exact", reached, 1.0, 1
+    kind = "integer" if all((e := kernel_numerics(n)) is not None and e.integer_output for n in nodes) else "float"
+    one = nodes[0] if len(nodes) == 1 else None
+    return kind, reached, *((product_step_gain(one, graph), product_fan_out(one, graph)) if one else (None, None))
 
 
 def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -315,7 +315,7 @@ def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor
     if got.dtype.itemsize > 1:  # 16-bit codes: float ulps upstream flip many of these fine steps (module docstring)
         kernels = "16-bit"
     slack = 0.0 if kernels == "integer-exact" else MISMATCH_SLACK_CODES / n
-    inherited = max(upstream_mismatch, min(1.0, upstream_differing / n)) if kernels == "exact" else upstream_mismatch
+    inherited = max(upstream_mismatch, min(1.0, upstream_differing / n))  # differing codes x fan-out: 0 if unknown
     allowed_mismatch = _ALLOWED[kernels] + MISMATCH_GAIN[kernels] * inherited + slack
     unbiased = (kernels not in ("exact", "integer", "integer-exact") or upstream_mismatch > BIAS_MAX_UPSTREAM
                 or abs(total) <= BIAS_Z * np.sqrt(energy) + 1.0)
@@ -381,7 +381,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     steps: dict[str, float] = {}
     results = []
     for b, got in zip(boundaries, values, strict=True):
-        kernels, feeding, gain = _feeding(graph, b.tensor, boundary_tensors - {b.tensor})
+        kernels, feeding, gain, fan_out = _feeding(graph, b.tensor, boundary_tensors - {b.tensor})
         bound = bounds.get(b.tensor)
         # behind an int8-compute MatMulNBits the path bound counts that layer's own int8 steps, not this quantizer's
         derived = bound is not None and bound.int8_layer is None and not bound.int8_codes
@@ -392,7 +392,7 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         if b.call in reference.replaced and upstream == 0.0:
             kernels, allowed = "integer-exact", 0.0
         codes = _judge(b, got, recorder.calls[b.call], kernels, allowed, upstream,
-                       sum(differing.get(t, 0.0) for t in feeding))
+                       sum(differing.get(t, 0.0) for t in feeding) * (fan_out or 0))
         if codes is not None:
             mismatch[b.tensor], differing[b.tensor] = 1.0 - codes.identical, round(codes.count * (1 - codes.identical))
             steps[b.tensor] = codes.max_abs

@@ -87,12 +87,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
 from coreai_opt.onnx.rewrite.matmul_nbits_weight import INT8_EMULATED_SUFFIX
 from coreai_opt.onnx.verify.ort_kernels import KernelNumerics, Status, is_int8_compute, kernel_numerics
 
 __all__ = ["PathBound", "OutputTolerance", "derive_tolerances", "FLOAT_PRECISION", "UNDERIVED_RELATIVE",
-           "INT8_COMPUTE_DERIVED_MAX_K", "product_step_gain"]
+           "INT8_COMPUTE_DERIVED_MAX_K", "product_step_gain", "product_fan_out"]
 
 #: Float outputs without activation quantizers (weight-only models) may differ by this fraction of their range.
 FLOAT_PRECISION = 1e-4
@@ -288,6 +288,22 @@ def product_step_gain(node: onnx.NodeProto, graph: OnnxGraph) -> float | None:
         codes = float(np.max(np.maximum(np.abs(info.max - zero), np.abs(info.min - zero))))
         gains.append(float(np.max(np.abs(scale)) * np.max(np.abs(other_scale)) * codes / np.min(np.abs(y_scale))))
     return max(gains)
+
+
+def product_fan_out(node: onnx.NodeProto, graph: OnnxGraph) -> int | None:
+    """Outputs one input element of an integer product with a constant weight reaches (None: not such a product).
+
+    ``QLinearConv``: ``(M / group) · kh · kw`` (weight ``(M, C / group, kh, kw)``); ``QGemm``: ``N``; ``QLinearMatMul``
+    of a constant ``B``: its last dimension (efficientnet_b0's SE ``conv_reduce``: 224 codes, each input reaching 28).
+    """
+    weight = graph.constant(node.input[3]) if node.op_type in _PRODUCT_KERNELS and len(node.input) > 3 else None
+    if weight is None or weight.ndim < 2:
+        return None
+    if node.op_type in ("QLinearConv", "NhwcQLinearConv"):
+        return int(weight.shape[0] // int(attributes_of(node).get("group", 1)) * np.prod(weight.shape[2:]))
+    if node.op_type == "QGemm":
+        return int(weight.shape[0] if attributes_of(node).get("transB", 0) else weight.shape[1])
+    return int(weight.shape[-1])
 
 
 def tensor_bounds(model: onnx.ModelProto) -> dict[str, PathBound]:
