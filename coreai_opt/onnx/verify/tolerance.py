@@ -294,16 +294,15 @@ def product_fan_out(node: onnx.NodeProto, graph: OnnxGraph) -> int | None:
     """Outputs one input element of an integer product with a constant weight reaches (None: not such a product).
 
     ``QLinearConv``: ``(M / group) · kh · kw`` (weight ``(M, C / group, kh, kw)``); ``QGemm``: ``N``; ``QLinearMatMul``
-    of a constant ``B``: its last dimension (efficientnet_b0's SE ``conv_reduce``: 224 codes, each input reaching 28).
+    of a constant ``B``: its last dim (efficientnet_b0's SE ``conv_reduce``: 224 codes, each input reaching 28).
     """
-    weight = graph.constant(node.input[3]) if node.op_type in _PRODUCT_KERNELS and len(node.input) > 3 else None
-    if weight is None or weight.ndim < 2:
+    stored = graph.initializer(node.input[3]) if node.op_type in _PRODUCT_KERNELS and len(node.input) > 3 else None
+    shape = tuple(stored.dims) if stored is not None else ()  # dims only: the data may be in an unread external file
+    if len(shape) < 2:
         return None
     if node.op_type in ("QLinearConv", "NhwcQLinearConv"):
-        return int(weight.shape[0] // int(attributes_of(node).get("group", 1)) * np.prod(weight.shape[2:]))
-    if node.op_type == "QGemm":
-        return int(weight.shape[0] if attributes_of(node).get("transB", 0) else weight.shape[1])
-    return int(weight.shape[-1])
+        return int(shape[0] // int(attributes_of(node).get("group", 1)) * np.prod(shape[2:]))
+    return int(shape[0] if attributes_of(node).get("transB", 0) else shape[-1])  # QGemm (K, N) or (N, K); B of MatMul
 
 
 def tensor_bounds(model: onnx.ModelProto) -> dict[str, PathBound]:
