@@ -33,7 +33,7 @@ SPEC_CASES: list[tuple[dict, type[Exception], str, str]] = [
     ({"dtype": "float8_e5m2", "qscheme": "asymmetric"}, ValueError, r"'float8_e5m2'", r"use qscheme='symmetric'"),
     # granularity / axis / block size
     ({"dtype": "int8", "granularity": {"type": "per_row"}}, ValueError, r"unknown granularity type 'per_row'",
-     r"valid types are: per_block, per_channel, per_tensor"),
+     r"valid types are: per_axes, per_block, per_channel, per_tensor"),
     ({"dtype": "int8", "granularity": "per_tensor"}, ValueError, r"got 'per_tensor'",
      r"must be a dict with a 'type' key"),
     ({"dtype": "int8", "granularity": {"axis": 0}}, ValueError, r"got \{'axis': 0\}",
