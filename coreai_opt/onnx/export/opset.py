@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from coreai_opt.quantization.ops.quantize_dequantize_op import BLOCKED_MIN_OPSET
 from coreai_opt.quantization.spec.dtypes import SUPPORTED_DTYPES, get_dtype_info
 
 __all__ = [
@@ -40,8 +41,6 @@ __all__ = [
 MIN_OPSET = 18
 #: Highest opset verified end to end (export, onnxruntime 1.32 load and run).
 MAX_OPSET = 23
-#: ``block_size`` on QuantizeLinear / DequantizeLinear exists from opset 21.
-BLOCKED_MIN_OPSET = 21
 #: ONNX ``Gelu`` (one op, ``approximate="none"`` or ``"tanh"``) exists from opset 20.
 GELU_OPSET = 20
 

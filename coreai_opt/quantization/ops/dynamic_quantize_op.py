@@ -43,9 +43,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from coreai_opt.quantization.ops.quantize_dequantize_op import BLOCKED_MIN_OPSET
+
 __all__ = [
     "DYNAMIC_QUANT_MAX",
-    "PER_TOKEN_MIN_OPSET",
     "dynamic_qparams",
     "dynamic_quantize_dequantize",
     "dynamic_quantize_dequantize_per_token",
@@ -157,10 +158,6 @@ def _backward(ctx: Any, grad: Tensor) -> Tensor:
 dynamic_quantize_dequantize.register_autograd(_backward, setup_context=_setup_context)
 dynamic_quantize_dequantize_per_token.register_autograd(_backward, setup_context=_setup_context)
 
-#: Lowest opset of the per-token translation (``block_size`` on ``QuantizeLinear`` / ``DequantizeLinear``).
-PER_TOKEN_MIN_OPSET: int = 21
-
-
 def dynamic_quantize_dequantize_translation_table(opset: int) -> dict[Any, Callable[..., Any]]:
     """Return the translations of the per-tensor and (opset >= 21) per-token ops for ``opset``.
 
@@ -184,7 +181,7 @@ def dynamic_quantize_dequantize_translation_table(opset: int) -> dict[Any, Calla
 
     table: dict[Any, Callable[..., Any]] = {
         torch.ops.coreai_opt.dynamic_quantize_dequantize.default: dynamic_quantize_dequantize_onnx}
-    if opset >= PER_TOKEN_MIN_OPSET:
+    if opset >= BLOCKED_MIN_OPSET:  # the per-token form is a blocked QuantizeLinear
         table[torch.ops.coreai_opt.dynamic_quantize_dequantize_per_token.default] = _per_token_translation(op)
     return table
 

@@ -35,10 +35,13 @@ from torch import Tensor
 
 from coreai_opt.quantization.spec.dtypes import get_dtype_info
 
-__all__ = ["quantize_dequantize", "quantize_dequantize_translation_table", "SUPPORTED_OPSETS", "INT32_FLOAT_BOUNDS"]
+__all__ = ["quantize_dequantize", "quantize_dequantize_translation_table", "SUPPORTED_OPSETS", "INT32_FLOAT_BOUNDS",
+           "BLOCKED_MIN_OPSET"]
 
 #: ONNX opsets with a translation (the onnxscript opset module is chosen to match).
 SUPPORTED_OPSETS: tuple[int, ...] = (18, 19, 20, 21, 22, 23)
+#: ``block_size`` on QuantizeLinear / DequantizeLinear (per-block and per-token scales) exists from opset 21.
+BLOCKED_MIN_OPSET: int = 21
 
 #: Float32-representable clamp bounds of the int32 bias path: float32(2**31 - 1) rounds up to 2**31, which
 #: would overflow the int32 Cast, so the largest float32 below 2**31 is used instead.
@@ -171,8 +174,9 @@ def _check_expressible(opset: int, dtype: str, block_size: int) -> None:
             f"dtype {dtype!r} needs ONNX opset >= {info.min_opset} (onnxruntime has no QuantizeLinear kernel for it "
             f"below), got opset {opset}; export with opset={max(info.min_opset, 21)}"
         )
-    if block_size > 0 and opset < 21:
-        raise ValueError(f"per-block quantization (block_size={block_size}) needs ONNX opset >= 21, got opset {opset}")
+    if block_size > 0 and opset < BLOCKED_MIN_OPSET:
+        raise ValueError(f"per-block quantization (block_size={block_size}) needs ONNX opset >= {BLOCKED_MIN_OPSET}, "
+                         f"got opset {opset}")
 
 
 def _bound_like_x(op: Any, bound: Any, x: Any, scale: Any, axis: int, block_size: int) -> Any:
