@@ -32,11 +32,16 @@ from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.graph.pass_result import PassResult
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, QuantizationSpec
 
-__all__ = ["quantize_kv_cache"]
+__all__ = ["quantize_kv_cache", "cache_quantizer_target"]
 
 _CATS = (torch.ops.aten.cat.default, torch.cat)
 _FIX = ("wrap the causal LM in coreai_opt.graph.kv_cache_decoder.DecoderWithCache before prepare "
         "(co.from_pretrained(..., task='text-generation') does it), or set QuantizerConfig.kv_cache=None")
+
+
+def cache_quantizer_target(index: int) -> str:
+    """The module path of cache tensor ``index``'s quantizer (layer ``index // 2``, key then value)."""
+    return f"kv_cache_quantizers.{index // 2}_{('key', 'value')[index % 2]}"
 
 
 def _appended(present: Node, past: Node) -> Node:
@@ -82,15 +87,14 @@ def quantize_kv_cache(gm: GraphModule, spec: QuantizationSpec) -> PassResult:
     gm.add_submodule("kv_cache_quantizers", container)
     for index, (past, present) in enumerate(zip(pasts, results[1:], strict=True)):
         new = _appended(present, past)
-        layer, part = index // 2, ("key", "value")[index % 2]
+        target = cache_quantizer_target(index)
         fq = FAKE_QUANTIZE.get_class(spec.fake_quantize).from_spec(spec)
-        serves = f"present.{layer}.{part}"
+        serves = f"present.{index // 2}.{('key', 'value')[index % 2]}"
         fq.set_name(serves)
         shape = node_shape(new, gm)
         if shape is not None and len(shape) == 4 and shape[1] > 0 and shape[3] > 0:
             fq.initialize((1, shape[1], 1, shape[3]))
-        container.add_module(f"{layer}_{part}", fq)
-        target = f"kv_cache_quantizers.{layer}_{part}"
+        container.add_module(target.rpartition(".")[2], fq)
         with gm.graph.inserting_after(new):
             call = gm.graph.call_module(target, (new,))
         copy_provenance(new, call)

@@ -20,7 +20,7 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 9. ``attention_to_group_query_attention``: the KV-cache decoder's attention block (rotary, cache ``Concat``,
    causal + padding mask, grouped scores) -> ``RotaryEmbedding`` per q / k + one ``GroupQueryAttention`` (with an
    int8 cache and ``k_scale`` / ``v_scale`` when the cache is quantized).
-10. ``int8_kv_cache``: any other quantized cache ``Concat(past, DQ(Q(k)))`` -> int8 cache codes read back as
+10. ``int8_kv_cache``: any other quantized cache ``Concat(past, S · Cast(q))`` -> int8 cache codes read back as
     ``Cast · S`` (exact).
 11. ``fold_constant_activations``: a ``QuantizeLinear`` of a constant-only branch (e.g. position rows) -> its integers.
 12. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).

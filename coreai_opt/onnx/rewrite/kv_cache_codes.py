@@ -23,7 +23,7 @@ import onnx
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
 
-__all__ = ["CacheCodes", "cache_codes", "store_as_codes", "scale_name_of"]
+__all__ = ["CacheCodes", "cache_codes", "cache_concat", "store_as_codes", "scale_name_of"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,15 @@ def _zero_point_term(graph: OnnxGraph, name: str, op_type: str) -> str | None:
     if operands is None or np.any(operands[1]) or (op_type == "Sub" and operands[0] != node.input[0]):
         return None
     return operands[0]
+
+
+def cache_concat(graph: OnnxGraph, node: onnx.NodeProto | None) -> onnx.NodeProto | None:
+    """``node`` when it is ``Concat(past graph input, new, axis=2)`` writing a graph output (a layer's cache)."""
+    if node is None or node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    if node.output[0] not in graph.outputs or node.input[0] not in graph.inputs:
+        return None
+    return node if attributes_of(node).get("axis") in (2, -2) else None
 
 
 def cache_codes(graph: OnnxGraph, name: str) -> CacheCodes | None:

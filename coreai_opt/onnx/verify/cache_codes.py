@@ -19,6 +19,8 @@ import onnx
 import torch
 from torch import nn
 
+from coreai_opt.passes.quantize_kv_cache import cache_quantizer_target
+
 __all__ = ["CacheScales", "cache_scales"]
 
 _CACHE_INPUTS_FROM = 3  # input_ids, attention_mask, position_ids, then the cache
@@ -67,7 +69,7 @@ class CacheScales:
 def _scale_of(model: nn.Module, cache_index: int) -> np.ndarray | None:
     """The frozen scale of cache tensor ``cache_index``'s quantizer (``kv_cache_quantizers.{layer}_{key|value}``)."""
     try:
-        fq = model.get_submodule(f"kv_cache_quantizers.{cache_index // 2}_{('key', 'value')[cache_index % 2]}")
+        fq = model.get_submodule(cache_quantizer_target(cache_index))
     except AttributeError:
         return None
     return fq.get_qparams().scale.detach().cpu().numpy().astype(np.float32)

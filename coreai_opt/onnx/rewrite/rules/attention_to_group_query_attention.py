@@ -86,7 +86,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
-from coreai_opt.onnx.rewrite.kv_cache_codes import CacheCodes, cache_codes, store_as_codes
+from coreai_opt.onnx.rewrite.kv_cache_codes import CacheCodes, cache_codes, cache_concat, store_as_codes
 from coreai_opt.onnx.rewrite.rotary_site import ancestors, rotary_tables, rotate_half_of
 from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN, Fail, Match, Rule
 
@@ -213,7 +213,7 @@ class AttentionToGroupQueryAttention(Rule):
         if not _op(reader, "MatMul") or reader.input[1] == reader.input[0]:
             return None
         present_value = graph.producer(reader.input[1])
-        caches = [self._cache(graph, c) for c in (present_key, present_value)]
+        caches = [cache_concat(graph, c) for c in (present_key, present_value)]
         if None in caches:
             return None
         output = self._output(graph, reader.output[0])
@@ -273,15 +273,6 @@ class AttentionToGroupQueryAttention(Rule):
                      (present_key, present_value), output, padding[1], padding[0], position_ids,
                      (tables[0][:, :size // 2].copy(), tables[1][:, :size // 2].copy()), heads, kv_heads,
                      float(scale.reshape(-1)[0]), None if codes[0] is None else (codes[0], codes[1]))
-
-    @staticmethod
-    def _cache(graph: OnnxGraph, concat: onnx.NodeProto | None) -> onnx.NodeProto | None:
-        """``concat`` when it is ``Concat(past graph input, new, axis=2)`` writing a graph output."""
-        if not _op(concat, "Concat") or len(concat.input) != 2 or concat.output[0] not in graph.outputs:
-            return None
-        if attributes_of(concat).get("axis") not in (2, -2) or concat.input[0] not in graph.inputs:
-            return None
-        return concat
 
     @staticmethod
     def _output(graph: OnnxGraph, heads: str) -> onnx.NodeProto | None:

@@ -1,7 +1,8 @@
 r"""Rule: a quantized KV cache written as float -> the cache stored as int8 codes (any attention).
 
-With ``QuantizerConfig.kv_cache`` every layer writes ``present = Concat(past, DequantizeLinear(QuantizeLinear(k)))``
-(:mod:`coreai_opt.onnx.rewrite.kv_cache_codes`): a float cache that only holds values on the quantizer's grid.
+With ``QuantizerConfig.kv_cache`` every layer writes ``present = Concat(past, S · Cast(q))``, ``q`` the int8 codes
+of the new keys / values (:mod:`coreai_opt.onnx.rewrite.kv_cache_codes`): a float cache that only holds values on
+the quantizer's grid.
 This rule stores it as what it is, for a cache ``attention_to_group_query_attention`` did not take (another
 attention form: q / k norms, a sliding window, ALiBi, ...):
 
@@ -15,8 +16,8 @@ attention reads the float ``present`` as before. Exact: the attention reads the 
 (``(q - 0) · S`` either way), so the logits do not change by a bit; the cache takes a quarter of the memory.
 
 Sites: ``Concat(axis=2)`` of a graph input (read by that ``Concat`` and ``Shape`` nodes only) and a per-head-and-channel
-``DequantizeLinear(QuantizeLinear(k))`` (:func:`~coreai_opt.onnx.rewrite.kv_cache_codes.cache_codes`), writing a
-graph output.
+cache quantizer (:func:`~coreai_opt.onnx.rewrite.kv_cache_codes.cache_codes`), writing a graph output
+(:func:`~coreai_opt.onnx.rewrite.kv_cache_codes.cache_concat`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto, helper
 
-from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
-from coreai_opt.onnx.rewrite.kv_cache_codes import CacheCodes, cache_codes, store_as_codes
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
+from coreai_opt.onnx.rewrite.kv_cache_codes import CacheCodes, cache_codes, cache_concat, store_as_codes
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule
 
 __all__ = ["Int8KvCache"]
@@ -40,18 +41,14 @@ class _Site(Match):
 
 
 class Int8KvCache(Rule):
-    """``Concat(past, DQ(Q(k)))`` writing a cache output -> int8 cache codes, read back as ``Cast · S``."""
+    """``Concat(past, S · Cast(q))`` writing a cache output -> int8 cache codes, read back as ``Cast · S``."""
 
     name = "int8_kv_cache"
     anchors = frozenset({"Concat"})
 
     def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
         """A two-input ``Concat(axis=2)`` of a graph input and a cache quantizer, writing a graph output."""
-        if node.domain not in ("", "ai.onnx") or len(node.input) != 2 or node.output[0] not in graph.outputs:
-            return None
-        if attributes_of(node).get("axis") not in (2, -2) or node.input[0] not in graph.inputs:
-            return None
-        codes = cache_codes(graph, node.input[1])
+        codes = cache_codes(graph, node.input[1]) if cache_concat(graph, node) is not None else None
         if codes is None:
             return None
         others = [r for r in graph.readers(node.input[0]) if r is not node and r.op_type != "Shape"]
