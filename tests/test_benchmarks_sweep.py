@@ -220,6 +220,29 @@ def test_the_childs_budget_alarm_interrupts_the_running_stage_and_names_it() -> 
                                        "export", 1, 0)]
 
 
+def test_the_childs_memory_watch_ends_it_with_a_memory_row_naming_the_stage() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks.sweep.run import failure_classes
+
+    script = ("import time, torch\n"
+              "from benchmarks.sweep.run import start_memory_watch\n"
+              "def export_onnx():\n"
+              "    hold = [torch.ones(2**24) for _ in range(16)]\n"  # 1 GiB, then wait for the watch
+              "    time.sleep(30)\n"
+              "start_memory_watch('m', 0.5)\n"
+              "export_onnx()\n"
+              "print('not stopped')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    row = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("SWEEP-ROW "))
+    assert row == {"name": "m", "failed_stage": "memory",
+                   "error": "MemoryExceeded: over the 0.5 GiB memory limit of the child in export"}
+    assert failure_classes([row]) == [("memory in export", "MemoryExceeded: over the N GiB memory limit of the "
+                                       "child in export", 1, 0)]
+
+
 class _HaloLike(torch.nn.Module):
     """Runs only when its stride-32 feature map is divisible by a block of 4 (as halo attention): 128, 256, ..."""
 

@@ -69,6 +69,30 @@ def start_budget_alarm(seconds: float) -> None:
     signal.alarm(max(1, int(seconds)))
 
 
+def start_memory_watch(name: str, limit_gib: float) -> None:
+    """From now on, end the child with a ``memory`` row naming the running stage once its resident set passes
+    ``limit_gib`` (polled twice a second), before the kernel's out-of-memory killer picks a process of the machine."""
+    import os
+    import threading
+
+    main_id = threading.main_thread().ident
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def watch() -> None:
+        while True:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * page
+            if rss > limit_gib * 2**30:
+                stage = running_stage(sys._current_frames()[main_id])
+                row = {"name": name, "failed_stage": "memory",
+                       "error": f"MemoryExceeded: over the {limit_gib:g} GiB memory limit of the child in {stage}"}
+                print("SWEEP-ROW " + json.dumps(row), flush=True)
+                os._exit(0)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _run_one(name: str, out: Path) -> dict[str, object]:
     from benchmarks.corpus.runner import RunOptions, run_corpus_model
     from benchmarks.sweep.catalog import entry_named
@@ -93,7 +117,7 @@ def _crash_error(returncode: int, stderr: str) -> str:
 
 def _stage_reached(row: dict[str, object]) -> str:
     failed = row.get("failed_stage")
-    if failed in ("timeout", "crash"):
+    if failed in ("timeout", "crash", "memory"):
         return str(failed)
     if failed is None:
         return "verify ok" if row.get("verify_ok") else "verify not ok"
@@ -114,7 +138,8 @@ def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, 
     """``(where, class, rows, rows torch cannot export either)`` for every row not ok end to end, most rows first.
 
     ``where`` separates the catalog's own faults (``build``: the model did not build or run in float), the runner's
-    limits (``timeout in <stage>``: the child's alarm fired in that stage; ``timeout`` / ``crash`` without a
+    limits (``timeout in <stage>`` / ``memory in <stage>``: the child's alarm or memory watch fired in that stage;
+    ``timeout`` / ``crash`` without a
     stage: the child was killed) and our stages (``prepare`` ... ``verify``).
     """
     counts: dict[tuple[str, str], list[int]] = {}
@@ -123,8 +148,8 @@ def failure_classes(rows: list[dict[str, object]]) -> list[tuple[str, str, int, 
             continue
         failed = r.get("failed_stage")
         where = str(failed) if failed else "verify not ok"
-        if str(r.get("error", "")).startswith("BudgetExceeded"):
-            where = f"timeout in {str(r['error']).rsplit(' in ', 1)[-1]}"
+        if str(r.get("error", "")).startswith(("BudgetExceeded", "MemoryExceeded")):
+            where = f"{failed} in {str(r['error']).rsplit(' in ', 1)[-1]}"
         key = (where, error_class(r.get("error")) if failed else "")
         entry = counts.setdefault(key, [0, 0])
         entry[0] += 1
@@ -177,7 +202,8 @@ def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) 
                      f"| {seconds:.0f} |")
     lines += ["", "## Failure classes", "",
               "`where`: `build` is the catalog's config (not the library), `timeout` / `crash` the runner's limits "
-              "(budget per model, memory), the rest the first stage of ours that raised. `torch export fails too`: "
+              "(budget per model), `memory` the child's memory limit, the rest the first stage of ours that raised. "
+              "`torch export fails too`: "
               "rows where torch's own float export (the peer's first step) raised as well.", "",
               "| count | where | class | torch export fails too |", "|---|---|---|---|"]
     lines += [f"| {n} | {w} | {c} | {t} |" for w, c, n, t in failure_classes(rows)]
@@ -189,6 +215,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", default="0/1", help="i/n: run entries i, i+n, i+2n, ...")
     parser.add_argument("--limit", type=int, default=None, help="at most this many entries of the chunk")
     parser.add_argument("--budget", type=float, default=600.0, help="seconds per model")
+    parser.add_argument("--memory-gib", type=float, default=8.0, help="resident memory limit per model")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
                         help="folder of rows.jsonl and RESULTS.md (default: benchmarks/sweep/)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one model, row on stdout
@@ -205,6 +232,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
         start_budget_alarm(args.budget - ROW_GRACE)  # the parent's timeout stays the backstop
+        start_memory_watch(args.one, args.memory_gib)
         try:
             row = _run_one(args.one, args.out)
         except BudgetExceeded as exc:
@@ -223,7 +251,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         start = time.monotonic()
         try:
             child = [sys.executable, "-m", "benchmarks.run", "sweep", "--one", name, "--out", str(args.out),
-                     "--budget", str(args.budget)]
+                     "--budget", str(args.budget), "--memory-gib", str(args.memory_gib)]
             proc = subprocess.run(child, capture_output=True, text=True, timeout=args.budget)
             found = [line for line in proc.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
             row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
