@@ -7,6 +7,10 @@ itself is a ``QuantizeLinear → DequantizeLinear`` round trip at run time and a
 * **an elementwise add / sub / mul / div with a number operand** (``x + eps``, ``x * 0.5``, ``logits / cap``):
   onnxruntime's ``QLinearAdd`` / ``QLinearMul`` need both operands quantized, and a Python number stays a float
   constant; there is no integer ``Div`` or ``Sub`` at all. The op is written ``DQ → Add(c) → Q``, three kernels.
+* **a division by a tensor** (``x / x.norm(dim=-1, keepdim=True)``, Swin-V2's cosine attention): onnxruntime
+  has no integer ``Div``, and a quantized divisor is worse than a round trip: a divisor whose values sit near zero
+  next to large ones rounds to exactly 0 on the grid, and the quotient becomes ``inf`` (hf-swinv2: 67 % of one
+  attention's codes non-finite in eager, top-1 agreement with float 44 %).
 * **a mean that is not a spatial pool**: only the mean over the last two axes of a 4-D tensor becomes the integer
   ``QLinearGlobalAveragePool`` (:mod:`coreai_opt.onnx.rewrite.rules.means_to_global_average_pool`); an RMSNorm's
   ``x.pow(2).mean(-1)`` or a mean over the sequence stays a float reduction.
@@ -69,6 +73,8 @@ def float_only_reason(node: Node, kind: OpKind, tensor_operands: int) -> str | N
     """
     if kind in _ELEMENTWISE and tensor_operands < 2:
         return f"{kind.value} with a number operand (onnxruntime has no integer kernel for it)"
+    if kind is OpKind.DIV:
+        return "division by a tensor (onnxruntime has no integer Div; a quantized divisor can round to 0)"
     if kind is OpKind.AVG_POOL and node.op in ("call_function", "call_method") and _is_mean(node) \
             and not _spatial_mean(node):
         return "mean over other axes than the spatial ones of a 4-D tensor (no integer kernel)"

@@ -184,3 +184,25 @@ def test_compare_fails_token_agreement_below_99_5_percent_even_when_every_flip_i
     got[1:4] = [0.49, 0.5, 0.0]
     result = _compare("logits", [small], [got], None)
     assert (result.argmax_flips_within_tolerance, result.argmax_rows, result.ok) == (3, 64, True)
+
+
+def test_a_quantizer_whose_eager_output_holds_nan_fails_rule_nan_not_a_hidden_overflow():
+    """NaN in eager's fake-quantized output (a 0 / 0 upstream) is named; cast to codes it used to overflow int64,
+    which printed "max 0" next to "32.65% identical" (hf-swinv2 in the sweep)."""
+    import onnx
+    import torch
+
+    from coreai_opt.onnx.verify.localize import Boundary
+    from coreai_opt.onnx.verify.quantizer_codes import _judge
+
+    node = onnx.helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q0")
+    scale, zero = np.array(0.1, dtype=np.float32), np.array(0, dtype=np.int8)
+    boundary = Boundary("q", node, "attn", 3, scale, zero)
+    eager = torch.tensor([0.1, 0.2, float("nan"), -0.3])
+    got = np.array([1, 2, 127, -3], dtype=np.int8)
+    result = _judge(boundary, got, (eager, torch.tensor(0.1), torch.tensor(0)), "exact", 1.0, 0.0)
+    assert (result.rule, result.ok, result.identical) == ("nan", False, 0.75)
+    assert "FAILS rule nan" in str(result)
+    clean = _judge(boundary, np.array([1, 2, 0, -3], dtype=np.int8),
+                   (torch.tensor([0.1, 0.2, 0.0, -0.3]), torch.tensor(0.1), torch.tensor(0)), "exact", 1.0, 0.0)
+    assert (clean.rule, clean.ok, clean.identical) == ("exact kernels", True, 1.0)

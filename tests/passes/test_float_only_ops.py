@@ -101,3 +101,35 @@ def test_rmsnorm_block_runs_without_quantize_dequantize_round_trips_and_onnxrunt
     assert {op: ops[op] for op in ("QuantizeLinear", "DequantizeLinear", "QLinearMul", "QGemm", "ReduceMean")} == {
         "QuantizeLinear": 2, "DequantizeLinear": 2, "QLinearMul": 2, "QGemm": 2, "ReduceMean": 1}
     assert co.verify_onnx(converted, path, batches).ok
+
+
+class _CosineAttention(nn.Module):
+    """Swin-V2's cosine attention: ``normalize(q) @ normalize(k)ᵀ``, ``normalize(x) = x / max(‖x‖, ε)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x), self.k(x)
+        q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return q @ k.transpose(-1, -2)
+
+
+def test_a_division_by_a_tensor_requests_no_quantizers_so_no_divisor_rounds_to_zero() -> None:
+    torch.manual_seed(0)
+    model = _CosineAttention().eval()
+    x = torch.randn(2, 6, 16)
+    x[:, 0] *= 1e-4  # token 0: tiny queries next to the others, its norm near 0 on a grid shared with them
+    gm = annotated(model, x, W8A8())
+    divs = _kind_nodes(gm, OpKind.DIV)
+    assert len(divs) == 2
+    assert all(get_meta(d).annotation is None for d in divs)
+    assert all("division by a tensor" in get_meta(d).float_reason for d in divs)
+    prepared = co.prepare(model, W8A8(), (x,))
+    co.calibrate(prepared, [(x,)])
+    with torch.no_grad():
+        out, ref = co.convert(prepared)(x), model(x)
+    assert torch.isfinite(out).all()
+    assert float((out - ref).abs().max()) < 0.05  # cosines in [-1, 1]: a few 8-bit steps at most

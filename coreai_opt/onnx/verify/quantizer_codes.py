@@ -39,6 +39,10 @@ kernel class that judged it when all held):
    codes, ``Σd = +339``, z = 9.7; its residual copy z = 9.7; stages.1 attn (behind 0.23 %) likewise; a w4a8 crop
    of a float conv (tests/onnx/test_verify_inherited.py) z = 10. Defects are then left to rules 1-3 and 5.
 
+0. ``nan``: eager's own output holds NaN at this quantizer (a value the float graph produced and quantization
+   cannot represent, e.g. a 0 / 0): reported before anything else, never compared as codes (its code would be
+   undefined; cast to integers it overflows and hid itself as "max 0" while only a third of the codes matched).
+
 5. ``missing``: every activation quantizer eager calls (a ``coreai_opt::quantize_dequantize`` whose input is
    computed from the batch, not from parameters, buffers or constants only) must have a counterpart in the file:
    a node traced from that call, an untraced pair reading its scale buffer, a traced call with the same scale (a
@@ -174,7 +178,7 @@ class QuantizerCodes:
         allowed_steps: The derived path bound on ``max_abs``.
         allowed_mismatch: The kernel class's allowed ``1 - identical``.
         qparams_match: The file's scale and zero point equal eager's.
-        rule: The rule that failed (``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``, ``"missing"``: no
+        rule: The rule that failed (``"nan"``, ``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``, ``"missing"``: no
             node of the file was traced from this call), or ``"<kernels> kernels"`` when it passed.
         ok: Every rule holds.
     """
@@ -307,6 +311,9 @@ def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor
     s = _broadcast(scale.reshape(-1) if scale.size > 1 else scale, b.axis, y.ndim)
     z = _broadcast(np.broadcast_to(zero_point, scale.shape).reshape(-1) if scale.size > 1 else zero_point, b.axis,
                    y.ndim)
+    nan = np.isnan(y)
+    if nan.any():  # rule 0: eager's own value is undefined here; compare the rest only for the report
+        y = np.where(nan, 0.0, y)
     d = got.astype(np.int64) - (np.rint(y / s) + z).astype(np.int64)
     n = max(d.size, 1)
     identical, within_one = float((d == 0).sum()) / n, float((np.abs(d) <= 1).sum()) / n
@@ -320,7 +327,7 @@ def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor
     unbiased = (kernels not in ("exact", "integer", "integer-exact") or upstream_mismatch > BIAS_MAX_UPSTREAM
                 or abs(total) <= BIAS_Z * np.sqrt(energy) + 1.0)
     allowed_steps += FLOAT_EXTRA_STEPS if kernels == "float" else 0
-    checks = (("qparams", qparams_match), ("steps", max_abs <= allowed_steps),
+    checks = (("nan", not nan.any()), ("qparams", qparams_match), ("steps", max_abs <= allowed_steps),
               ("mismatch", 1.0 - identical <= allowed_mismatch), ("bias", kernels == "16-bit" or unbiased))
     failed = next((name for name, holds in checks if not holds), None)
     return QuantizerCodes(f"quantize_dequantize_{b.call}", b.module, f"{b.node.name} ({b.node.op_type})", d.size,
