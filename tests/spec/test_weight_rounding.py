@@ -202,6 +202,25 @@ def test_input_statistics_hessian_is_two_xtx_over_n_and_skips_non_finite_rows() 
     assert not stats.has_statistics and stats.xtx.numel() == 0
 
 
+@pytest.mark.parametrize("sizes", [(3, 5, 2), (30, 40, 1, 7)])  # 10 rows < 64 channels; 78 rows >= 64
+def test_input_statistics_keep_rows_below_d_and_form_the_same_hessian_bit_for_bit(sizes: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, 64, generator=gen) * 3 for n in sizes]
+    stats = InputStatistics(hessian=True)
+    expected = torch.zeros(64, 64)
+    for i, batch in enumerate(batches):
+        stats.update(batch)
+        expected.addmm_(batch.T, batch)  # the per-batch accumulation the Hessian was always formed by
+        seen = sum(sizes[:i + 1])
+        assert (stats.rows.shape[0], stats.xtx.numel()) == ((seen, 0) if seen < 64 else (0, 64 * 64))
+    kept = stats.rows.numel() * 4
+    assert kept in (0, sum(sizes) * 64 * 4)  # the rows' bytes while n < d: 2.5 kB instead of the 16 kB matrix
+    assert torch.equal(stats.hessian_matrix(), expected * (2.0 / sum(sizes)))
+    with stats.consumed():
+        assert torch.equal(stats.hessian_matrix(), expected * (2.0 / sum(sizes)))
+    assert stats.rows.numel() == 0 and stats.xtx.numel() == 0
+
+
 @pytest.mark.parametrize("qscheme", ["symmetric", "asymmetric"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_mse_search_in_row_chunks_gives_the_whole_tensor_result_bit_for_bit(monkeypatch: pytest.MonkeyPatch,

@@ -38,6 +38,7 @@ from coreai_opt.quantization.spec.granularity import PerChannel
 __all__ = ["InputStatistics"]
 
 _SUMS = ("sum_sq", "sum_abs", "xtx")
+_ROWS = ("rows", "row_counts")
 
 
 class InputStatistics(RangeCalculatorBase):
@@ -55,6 +56,8 @@ class InputStatistics(RangeCalculatorBase):
     sum_sq: Tensor
     sum_abs: Tensor
     xtx: Tensor
+    rows: Tensor
+    row_counts: Tensor
 
     def __init__(self, hessian: bool = False) -> None:
         super().__init__(PerChannel(-1))
@@ -63,7 +66,7 @@ class InputStatistics(RangeCalculatorBase):
         self.attached = False
         self._consume = False  # see consumed()
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-        for name in (*_SUMS, "min_val", "max_val"):
+        for name in (*_SUMS, *_ROWS, "min_val", "max_val"):
             self.register_buffer(name, torch.empty(0))
 
     # --- observation ---
@@ -92,16 +95,42 @@ class InputStatistics(RangeCalculatorBase):
         self.sum_sq += rows.square().sum(dim=0)
         self.sum_abs += rows.abs().sum(dim=0)
         if self.hessian:
-            self.xtx.addmm_(rows.T, rows)
+            self._add_rows(rows)
         mn, mx = torch.aminmax(rows, dim=0)
         torch.minimum(self.min_val, mn, out=self.min_val)
         torch.maximum(self.max_val, mx, out=self.max_val)
         self.count += rows.shape[0]
 
+    def _add_rows(self, rows: Tensor) -> None:
+        """Keep ``rows`` (``n < d``) or add their product to ``XᵀX`` (module docstring: rows before the Hessian)."""
+        if self.xtx.numel():
+            self.xtx.addmm_(rows.T, rows)
+            return
+        self.rows = torch.cat([self.rows, rows]) if self.rows.numel() else rows.clone()
+        self.row_counts = torch.cat([self.row_counts, torch.tensor([rows.shape[0]], device=rows.device)])
+        if self.rows.shape[0] >= self.rows.shape[1]:
+            self._form_xtx()
+
+    def _form_xtx(self) -> None:
+        """``XᵀX`` from the kept rows, one product per observed batch in order (a no-op once formed)."""
+        if self.xtx.numel() or not self.hessian or not self.num_channels:
+            return
+        d = self.num_channels
+        self.xtx = torch.zeros((d, d), device=self.sum_sq.device)
+        start = 0
+        for count in self.row_counts.tolist():
+            batch = self.rows[start:start + count]
+            self.xtx.addmm_(batch.T, batch)
+            start += count
+        self.rows = torch.empty(0, device=self.sum_sq.device)
+        self.row_counts = torch.empty(0, dtype=torch.int64, device=self.sum_sq.device)
+
     def _allocate(self, d: int, device: torch.device) -> None:
         self.sum_sq = torch.zeros(d, device=device)
         self.sum_abs = torch.zeros(d, device=device)
-        self.xtx = torch.zeros((d, d) if self.hessian else (0,), device=device)
+        self.xtx = torch.empty(0, device=device)  # formed from the rows (module docstring)
+        self.rows = torch.empty(0, device=device)
+        self.row_counts = torch.empty(0, dtype=torch.int64, device=device)
         self.min_val = torch.full((d,), float("inf"), device=device)
         self.max_val = torch.full((d,), float("-inf"), device=device)
 
@@ -138,6 +167,7 @@ class InputStatistics(RangeCalculatorBase):
         self._require()
         if not self.hessian:
             raise RuntimeError(f"{self.name}: built with hessian=False; it has no XᵀX to return")
+        self._form_xtx()
         if getattr(self, "_consume", False) and self.xtx.numel():
             h = self.xtx.mul_(2.0 / float(self.count))  # the same float32 product, in place
             self.xtx = torch.empty(0, device=h.device)
@@ -170,7 +200,7 @@ class InputStatistics(RangeCalculatorBase):
     def reset(self) -> None:
         """Forget everything and release the buffers (the Hessian can be large)."""
         self.count = torch.zeros((), dtype=torch.float64, device=self.count.device)
-        for name in (*_SUMS, "min_val", "max_val"):
+        for name in (*_SUMS, *_ROWS, "min_val", "max_val"):
             setattr(self, name, torch.empty(0, device=self.count.device))
 
     # --- distributed ---
@@ -186,6 +216,8 @@ class InputStatistics(RangeCalculatorBase):
             return
         if local is None:
             self._allocate(shape[0], self.count.device)
+        if self.hessian:
+            self._form_xtx()  # every rank sums the d x d matrix, whatever rows it kept
         self.count = all_reduce(self.count, "sum", group)
         for name in _SUMS:
             if getattr(self, name).numel():
@@ -194,7 +226,7 @@ class InputStatistics(RangeCalculatorBase):
         self.max_val = all_reduce(self.max_val, "max", group)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):  # noqa: D102, ANN001
-        for name in (*_SUMS, "min_val", "max_val"):
+        for name in (*_SUMS, *_ROWS, "min_val", "max_val"):
             key = prefix + name
             if key in state_dict:
                 setattr(self, name, torch.empty_like(state_dict[key], device=self.count.device))
