@@ -319,3 +319,14 @@ def test_formerly_unbuildable_configs_build_and_run(name: str) -> None:
     with torch.no_grad():
         out = model(*batch)
     assert out.shape[0] == 4 and torch.isfinite(out).all()
+
+
+def test_a_model_that_does_not_run_on_its_entrys_inputs_is_a_build_row_not_a_crash(tmp_path: Path) -> None:
+    from benchmarks.corpus.models import CorpusModel
+    from benchmarks.corpus.runner import run_corpus_model
+
+    entry = CorpusModel("mismatched", "cnn", lambda: torch.nn.Linear(32, 8),
+                        lambda gen, batch: (torch.randn(batch, 30, generator=gen),), ("x",), "hidden")
+    row = run_corpus_model(entry, tmp_path)
+    assert row.failed_stage == "build"
+    assert row.error.startswith("the float model does not run on the entry's inputs: RuntimeError: mat1 and mat2")
