@@ -296,3 +296,38 @@ def test_failed_calibrate_of_a_gptq_weight_model_restores_the_rounded_weights_an
         co.calibrate(prepared, [3.0 * torch.randn(16, 64) + 1.0 for _ in range(4)], progress=False)
     _assert_same_state(before, _full_state(prepared))
     assert torch.equal(co.convert(prepared)(first[0]), expected)
+
+
+def test_failed_first_gptq_calibrate_recommits_the_provisional_results_bit_for_bit_and_never_holds_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A freshly prepared GPTQ model holds data-free provisional results; the rollback snapshot saves none of them
+    (restore recommits them from the weights), so they are freed as soon as GPTQ replaces them."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    data = [torch.randn(16, 64) for _ in range(4)]
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w4(block_size=32, algorithm="gptq"), (data[0],))
+    roundings = [fq.rounding for _, fq in fake_quantizers(prepared) if fq.rounding is not None]
+    assert len(roundings) == 2 and all(bool(r.awaiting_data) for r in roundings)
+    integers = {id(r.qweight) for r in roundings}
+    saved = [b for m in QuantizerSnapshot(prepared)._modules for b in m.buffers.values()]
+    assert not any(id(b.tensor) in integers or b.copy is not None and b.copy.numel() > 64 for b in saved)
+    before = _full_state(prepared)
+    provisional = [weakref.ref(r.qweight) for r in roundings]
+    real_commit = calibrate_module.commit_weight_qparams
+    alive_after_commit: list[bool] = []
+
+    def commit_then_fail(gm: fx.GraphModule, **kwargs: Any) -> int:
+        assert real_commit(gm, **kwargs) == 2  # both linears rounded by GPTQ from the new Hessians
+        gc.collect()
+        alive_after_commit.extend(ref() is not None for ref in provisional)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(calibrate_module, "commit_weight_qparams", commit_then_fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        co.calibrate(prepared, data, progress=False)
+    assert alive_after_commit == [False, False]  # nothing kept the provisional integers during calibrate
+    _assert_same_state(before, _full_state(prepared))
+    assert all(bool(r.awaiting_data) for r in roundings)

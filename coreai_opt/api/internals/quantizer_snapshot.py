@@ -13,7 +13,12 @@ Cost: buffers are cloned, except those of weight quantizers whose weight is unch
 (calibrate neither observes nor recommits them; only their small flag buffers are cloned), and those whose weight
 rounding is data-aware (GPTQ, weighted MSE: their statistics and qparams are always cloned; the rounding's own
 integers and qparams, which ``commit`` replaces and never writes in place, are kept by reference and their version
-checked on restore). So the snapshot is the
+checked on restore). A data-aware weight quantizer still on its provisional, data-free result (``awaiting_data``:
+committed from its weight only, as ``prepare`` leaves a GPTQ weight) is not saved at all beyond its flags and small
+buffers: restore commits it again from its weight, which gives the same integers and qparams bit for bit (the
+data-free path is deterministic). Holding its result instead kept every provisional result alive next to the
+new one until calibrate returned (a TinyLlama-wide decoder: the integers, qparams and range of every linear,
+0.5x of the fp32 weights). So the snapshot is the
 size of the activation statistics (per-tensor min/max: a few bytes; a histogram: ``num_bins`` int64 per row) plus
 the qparams of weights that changed since the last commit; :attr:`QuantizerSnapshot.nbytes` reports it.
 
@@ -37,6 +42,7 @@ from coreai_opt.api.internals.quantizer_state import (
     weight_quantizer_inputs,
 )
 from coreai_opt.errors import CoreaiOptRuntimeError
+from coreai_opt.quantization.rounding.input_statistics import InputStatistics
 from coreai_opt.quantization.rounding.weight_rounding import WeightRoundingBase
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 
@@ -54,6 +60,7 @@ class _SavedBuffer:
     tensor: Tensor | None
     version: int
     copy: Tensor | None  # None: not cloned (calibrate does not touch it)
+    rebuilt: bool = False  # not saved: restore recommits the quantizer from its weight
 
 
 @dataclass
@@ -63,11 +70,16 @@ class _SavedModule:
     buffers: dict[str, _SavedBuffer]
 
     @classmethod
-    def take(cls, module: nn.Module, clone_all: bool) -> _SavedModule:
+    def take(cls, module: nn.Module, clone_all: bool, rebuilt: bool = False) -> _SavedModule:
+        """Save ``module``; ``rebuilt``: keep only its small buffers (restore recommits the rest)."""
         attributes = {k: v for k, v in module.__dict__.items() if k not in _MODULE_INTERNALS}
         buffers = {}
         for name, tensor in module._buffers.items():
-            clone = tensor is not None and (clone_all or tensor.numel() <= _SMALL_BUFFER)
+            small = tensor is None or tensor.numel() <= _SMALL_BUFFER
+            if rebuilt and not small:
+                buffers[name] = _SavedBuffer(None, 0, None, rebuilt=True)
+                continue
+            clone = tensor is not None and (clone_all or small)
             buffers[name] = _SavedBuffer(tensor, tensor._version if tensor is not None else 0,
                                          tensor.detach().clone() if clone else None)
         return cls(module, attributes, buffers)
@@ -81,6 +93,8 @@ class _SavedModule:
         for name in [n for n in table if n not in self.buffers]:
             del table[name]
         for name, saved in self.buffers.items():
+            if saved.rebuilt:
+                continue  # the recommit after every module's restore writes it
             tensor = saved.tensor
             if tensor is not None and saved.copy is None and tensor._version != saved.version:
                 raise CoreaiOptRuntimeError(
@@ -116,9 +130,17 @@ class QuantizerSnapshot:
         stale = {id(fq) for fq, _ in stale_weight_quantizers(model)}
         # data-aware weight rounding (GPTQ ...) observes and re-rounds during calibrate: always cloned
         untouched = {id(fq) for fq in weight_quantizers if id(fq) not in stale and not fq.rounds_with_data}
+        # provisional data-free results (module docstring): recommitted from the weight on restore, not saved
+        self._rebuilt = [(fq, weight) for fq, weight in weight_quantizer_inputs(model)
+                         if id(fq) not in stale and fq.rounds_with_data and fq.rounding is not None
+                         and fq.rounding.has_result and bool(fq.rounding.awaiting_data)]
+        rebuilt = {id(fq) for fq, _ in self._rebuilt}
         self._modules: list[_SavedModule] = []
         for root in model.modules():
-            if isinstance(root, (FakeQuantize, BiasFakeQuantize)):
+            if id(root) in rebuilt:  # its input statistics are cloned as before (empty before a calibrate)
+                self._modules += [_SavedModule.take(m, True) if isinstance(m, InputStatistics)
+                                  else _SavedModule.take(m, False, rebuilt=True) for m in root.modules()]
+            elif isinstance(root, (FakeQuantize, BiasFakeQuantize)):
                 clone_all = id(root) not in untouched
                 # a rounding's results (integers, qparams, fingerprint) are replaced by commit, never written in
                 # place: saved by reference (restore checks their version), not cloned (0.3x of a GPTQ model)
@@ -136,6 +158,12 @@ class QuantizerSnapshot:
         """Put every saved buffer, attribute, training flag and commit record back."""
         for saved in self._modules:
             saved.restore()
+        with torch.no_grad():
+            for fq, weight in self._rebuilt:  # as commit_weight_qparams did before calibrate: same bits
+                fq.rounding.qweight = torch.empty(0, dtype=torch.int8, device=fq.rounding.qweight.device)
+                fq.reset_statistics()
+                fq.observe(weight.detach())
+                fq.commit()
         for module, training in self._training:
             module.training = training
         restore_commit_records(self._records)
