@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from coreai_opt import third_party_noise
+from coreai_opt.cli.allocator import return_large_buffers_to_the_system
 from coreai_opt.cli.commands import demo, inspect_onnx, quantize
 from coreai_opt.cli.console import Console
 from coreai_opt.cli.usage_errors import EXIT_OK, EXIT_USAGE, one_line
@@ -100,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     args.console = Console(quiet=args.quiet, verbose=args.verbose)
+    return_large_buffers_to_the_system()
     if args.verbose:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         logging.getLogger("coreai_opt").setLevel(logging.INFO)
