@@ -20,6 +20,7 @@ from coreai_opt.graph.finite_weights import check_finite_weights
 from coreai_opt.graph.graph_meta import require_graph_meta, set_graph_meta
 from coreai_opt.graph.shared_parameters import copy_sharing_parameters, protect_shared_parameters
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
+from coreai_opt.quantization.rounding.weight_rounding import rounding_results
 
 __all__ = ["convert"]
 
@@ -45,7 +46,7 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     if meta.converted:
         raise ValueError("this model is already converted; convert the prepared model instead")
     check_model_idle(prepared, "convert")
-    gm = copy_sharing_parameters(prepared, only_shared=True)
+    gm = copy_sharing_parameters(prepared, only_shared=True, shared_buffers=rounding_results(prepared))
     protect_shared_parameters(gm)
     check_finite_weights(gm, "convert", "restore weights without NaN (after QAT: a checkpoint from before training "
                                         "diverged, or a lower learning rate)")

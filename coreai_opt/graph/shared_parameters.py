@@ -9,6 +9,10 @@ model untouched:
   are recorded in a registry of shared tensors.
 * Code that changes a parameter's *value* binds a new tensor (``setattr(module, name, nn.Parameter(new))``, as the
   folding passes do) or calls :func:`unshare_parameters` first; it never writes into a shared tensor in place.
+* ``shared_buffers``: buffers that are never written in place either (a weight rounding's integers and qparams:
+  ``commit`` binds new tensors) may be shared the same way, as the *same* tensor object; ``load_state_dict`` gives
+  them their own copy first, like the parameters (``convert``: the rounded integers of a GPTQ decoder are 0.25x of
+  its fp32 weights, held once for the prepared and the converted model instead of twice).
 * :func:`protect_shared_parameters` makes a module's shared parameters read-only for training
   (``requires_grad=False``, so no optimizer step can write through them) and un-shares them before any
   ``load_state_dict``, which copies into parameters in place.
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -51,13 +55,16 @@ def _shared_view(parameter: nn.Parameter) -> nn.Parameter:
     return view
 
 
-def copy_sharing_parameters(module: M, *, only_shared: bool = False) -> M:
+def copy_sharing_parameters(module: M, *, only_shared: bool = False,
+                            shared_buffers: Iterable[torch.Tensor] = ()) -> M:
     """``copy.deepcopy(module)``, except that parameters share storage with ``module``'s.
 
     Args:
         module: The module to copy (not modified).
         only_shared: Share only the parameters that are already shared (:func:`is_shared`) and deep-copy the
             rest (e.g. the trainable weights of a QAT model, which must not change under a converted copy).
+        shared_buffers: Buffers of ``module`` that no code writes in place; the copy holds the same tensors
+            (module docstring).
 
     Returns:
         The copy.
@@ -66,11 +73,14 @@ def copy_sharing_parameters(module: M, *, only_shared: bool = False) -> M:
     for parameter in module.parameters():
         if not only_shared or is_shared(parameter):
             memo[id(parameter)] = _shared_view(parameter)
+    for buffer in shared_buffers:
+        _mark_shared(buffer)
+        memo[id(buffer)] = buffer
     return copy.deepcopy(module, memo)
 
 
 def unshare_parameters(module: nn.Module) -> int:
-    """Give every shared parameter of ``module`` its own storage (a copy); returns how many were copied."""
+    """Give every shared parameter and buffer of ``module`` its own storage (a copy); returns how many were copied."""
     copies: dict[int, nn.Parameter] = {}
     count = 0
     for owner in module.modules():
@@ -81,6 +91,10 @@ def unshare_parameters(module: nn.Module) -> int:
                 copies[id(parameter)] = nn.Parameter(parameter.detach().clone(), requires_grad=parameter.requires_grad)
                 count += 1
             setattr(owner, name, copies[id(parameter)])
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if buffer is not None and is_shared(buffer):
+                owner.register_buffer(name, buffer.clone(), persistent=name not in owner._non_persistent_buffers_set)
+                count += 1
     return count
 
 

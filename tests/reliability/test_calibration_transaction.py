@@ -331,3 +331,26 @@ def test_failed_first_gptq_calibrate_recommits_the_provisional_results_bit_for_b
     assert alive_after_commit == [False, False]  # nothing kept the provisional integers during calibrate
     _assert_same_state(before, _full_state(prepared))
     assert all(bool(r.awaiting_data) for r in roundings)
+
+
+def test_convert_shares_the_rounded_integers_and_loading_a_state_never_writes_through_them() -> None:
+    """convert holds a GPTQ model's integers and qparams once (the prepared model's tensors); loading a state into
+    either model gives it its own copy first, so the other one keeps its values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    data = [torch.randn(16, 64) for _ in range(4)]
+    prepared = co.prepare(model, co.QuantizerConfig.presets.w4(block_size=32, algorithm="gptq"), (data[0],))
+    co.calibrate(prepared, data, progress=False)
+    converted = co.convert(prepared)
+    ours = [fq.rounding for _, fq in fake_quantizers(prepared) if fq.rounding is not None]
+    theirs = [fq.rounding for _, fq in fake_quantizers(converted) if fq.rounding is not None]
+    assert all(a.qweight is b.qweight and a.scale is b.scale for a, b in zip(ours, theirs, strict=True))
+    expected = converted(data[0])
+    kept = [r.qweight.clone() for r in ours]
+    other = {k: (torch.zeros_like(v) if k.endswith("qweight") else v) for k, v in converted.state_dict().items()}
+    co.load_state_dict(converted, other)
+    theirs = [fq.rounding for _, fq in fake_quantizers(converted) if fq.rounding is not None]
+    assert all(int(r.qweight.abs().sum()) == 0 for r in theirs)  # loaded into the converted model ...
+    assert all(torch.equal(r.qweight, k) for r, k in zip(ours, kept, strict=True))  # ... not through to prepared
+    co.load_state_dict(prepared, prepared.state_dict())
+    assert torch.equal(co.convert(prepared)(data[0]), expected)

@@ -46,7 +46,8 @@ from coreai_opt.quantization.spec.registry import Registry, RegistryFamily
 if TYPE_CHECKING:
     from coreai_opt.quantization.spec.spec import QuantizationSpec
 
-__all__ = ["WEIGHT_ROUNDING", "RoundedWeight", "RTNRounding", "WeightRoundingBase", "weight_fingerprint"]
+__all__ = ["WEIGHT_ROUNDING", "RoundedWeight", "RTNRounding", "WeightRoundingBase", "rounding_results",
+           "weight_fingerprint"]
 
 
 class RoundedWeight(NamedTuple):
@@ -217,6 +218,19 @@ class WeightRoundingBase(RegistryFamily, nn.Module):
 WEIGHT_ROUNDING: Registry[type[WeightRoundingBase]] = Registry(
     "weight rounding", WeightRoundingBase, field="weight_rounding"
 )
+
+
+def rounding_results(model: nn.Module) -> list[Tensor]:
+    """Every rounding result tensor of ``model`` (``qweight``, ``scale``, ``zero_point``).
+
+    :meth:`WeightRoundingBase.commit` binds new tensors and nothing writes them in place, so a copy of ``model``
+    may share them (``convert``).
+    """
+    results = []
+    for module in model.modules():
+        if isinstance(module, WeightRoundingBase) and module.has_result:
+            results += [module.qweight, module.scale, module.zero_point]
+    return results
 
 
 @WEIGHT_ROUNDING.register("rtn")
