@@ -67,15 +67,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--child", nargs=4, metavar=("ROUTE", "PRESET", "FOLDER", "OUT"), help=argparse.SUPPRESS)
 
 
-def make_folder(folder: Path, layers: int) -> tuple[Path, Path]:
-    """The model folder at ``layers`` depth (tokenizer + safetensors) and its prompts file; reused when present."""
+def make_folder(folder: Path, layers: int, sizes: dict[str, int] | None = None) -> tuple[Path, Path]:
+    """The model folder at ``layers`` depth (tokenizer + safetensors) and its prompts file; reused when present.
+
+    ``sizes`` replaces :data:`TINYLLAMA` (its ``num_hidden_layers`` is set to ``layers``).
+    """
     import pydoc_data.topics
 
     from benchmarks.common.torchvision_ops import declare_torchvision_ops
     from benchmarks.llm_speed.decode_speed import make_model
 
     declare_torchvision_ops()  # the installed torchvision's C++ ops (transformers imports it)
-    make_model(folder, {**TINYLLAMA, "num_hidden_layers": layers})
+    make_model(folder, {**(sizes or TINYLLAMA), "num_hidden_layers": layers})
     prompts = folder.parent / "prompts.txt"
     if not prompts.exists():
         texts = list(pydoc_data.topics.topics.values())[:PROMPTS]
