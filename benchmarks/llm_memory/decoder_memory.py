@@ -64,6 +64,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="append one JSON line per child here (RESULTS.md is written by hand from them)")
     parser.add_argument("--trim", action="store_true", help="malloc_trim(0) after each stage and record the RSS "
                         "then (tells freed-but-kept heap from live memory)")
+    parser.add_argument("--census", action="store_true", help="instead: what one API run holds per stage, in this "
+                        "process, at the first --layers depth (benchmarks/llm_memory/stage_census.py)")
+    parser.add_argument("--census-vocab", type=int, default=TINYLLAMA["vocab_size"])
     parser.add_argument("--child", nargs=4, metavar=("ROUTE", "PRESET", "FOLDER", "OUT"), help=argparse.SUPPRESS)
 
 
@@ -266,6 +269,10 @@ def extrapolation(rows: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Every (depth, route) in a fresh child, one at a time; JSON lines into ``--output``, the table to stdout."""
+    if args.census:
+        from benchmarks.llm_memory.stage_census import census
+
+        return census(args.layers[0], args.census_vocab, args.preset, args.work_dir)
     if args.child:
         route, preset, folder, out = args.child
         _TRIM["on"] = args.trim

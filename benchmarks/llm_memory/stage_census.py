@@ -1,8 +1,9 @@
 """What a w4 KV-cache decoder export holds per stage: peak RSS, then resident anonymous / file-backed memory, the
 anonymous memory ``malloc_trim`` hands back, and the live torch tensors by dtype (issue 32, Scale).
 
-``python -m benchmarks.llm_memory.stage_census --layers 22`` saves a random-initialised Llama of TinyLlama's width
-(:data:`benchmarks.llm_memory.decoder_memory.TINYLLAMA`; ``--layers`` sets the depth, ``--vocab`` the vocabulary) and
+``python -m benchmarks.run llm_memory --census --layers 22`` saves a random-initialised Llama of TinyLlama's width
+(:data:`benchmarks.llm_memory.decoder_memory.TINYLLAMA`; ``--layers`` sets the depth (the first one given),
+``--census-vocab`` the vocabulary) and
 runs the Python API in this process: ``from_pretrained`` -> ``DecoderWithCache`` -> ``prepare(capture="export")``
 -> ``calibrate`` (8 stdlib-docstring prompts, prefill + decode steps) -> ``convert`` -> ``export_onnx(task=
 "text-generation")``, the prepared model deleted before the export (the CLI's order). One line per stage:
@@ -21,7 +22,6 @@ Run it with ``MALLOC_MMAP_THRESHOLD_=4194304`` in the environment for what ``cor
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import json
@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["main"]
+__all__ = ["census"]
 
 
 class _PeakSampler:
@@ -86,15 +86,8 @@ def _tensor_bytes() -> dict[str, int]:
     return by_dtype
 
 
-def main(argv: list[str] | None = None) -> int:
+def census(layers: int, vocab: int, preset: str, work_dir: Path | None) -> int:
     """Run the census (module docstring); one JSON line per stage on stdout."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.llm_memory.stage_census", description=__doc__)
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--preset", default="w4")
-    parser.add_argument("--work-dir", type=Path, default=None, help="model folder and file (default: temp)")
-    args = parser.parse_args(argv)
-
     from benchmarks.common.torchvision_ops import declare_torchvision_ops
     from benchmarks.llm_memory.decoder_memory import TINYLLAMA, make_folder
 
@@ -104,10 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     from coreai_opt.cli import text_generation
     from coreai_opt.graph.kv_cache_decoder import DecoderWithCache
 
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="coreai_opt_stage_census_"))
-    sizes = {**TINYLLAMA, "vocab_size": args.vocab}
-    folder, prompts_file = make_folder(work / f"layers{args.layers}_vocab{args.vocab}" / "model", args.layers,
-                                       sizes)
+    work = work_dir or Path(tempfile.mkdtemp(prefix="coreai_opt_stage_census_"))
+    sizes = {**TINYLLAMA, "vocab_size": vocab}
+    folder, prompts_file = make_folder(work / f"layers{layers}_vocab{vocab}" / "model", layers, sizes)
     sampler, libc, weights = _PeakSampler(), ctypes.CDLL("libc.so.6"), 1
 
     def stage(name: str, fn: Callable[[], Any]) -> Any:
@@ -124,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
 
     hf = stage("load", lambda: co.from_pretrained(folder))
     weights = sum(p.numel() * 4 for p in hf.model.parameters())
-    print(json.dumps({"layers": args.layers, "vocab": args.vocab, "fp32_weights_gb": round(weights / 1e9, 3)}),
+    print(json.dumps({"layers": layers, "vocab": vocab, "fp32_weights_gb": round(weights / 1e9, 3)}),
           flush=True)
     decoder = DecoderWithCache(hf.model).eval()
     prompts = hf.prompt_ids(prompts_file.read_text(encoding="utf-8").splitlines())
     example = decoder.example_inputs()
-    config = co.QuantizerConfig.presets.get(args.preset)()
+    config = co.QuantizerConfig.presets.get(preset)()
     held = {"prepared": stage("prepare", lambda: co.prepare(decoder, config, example, capture="export",
                                                             dynamic_shapes=decoder.capture_dynamic_shapes()))}
     batches = decoder.calibration_batches(prompts, text_generation.DECODE_STEPS)
@@ -140,7 +132,3 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(exist_ok=True)
     stage("export", lambda: co.export_onnx(converted, example, path, task="text-generation"))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
