@@ -23,10 +23,7 @@ from onnx import helper, numpy_helper
 
 __all__ = ["CACHED_CONSTANT_BYTES", "OnnxGraph", "Dim", "attributes_of"]
 
-#: Constants up to this many bytes are kept as numpy arrays after the first read; a larger one (a weight) is
-#: converted from the protobuf each time it is read. Caching every array held a second copy of every weight for the
-#: whole session: the folded integers unpacked to a byte each and every packed ``MatMulNBits`` weight next to its
-#: protobuf bytes (a 1.1 B w4 decoder's export peaked 2.65x its fp32 weights in the MatMulNBits rewrite).
+#: Constants up to this many bytes are cached as numpy arrays; a weight is converted when read (llm_memory RESULTS).
 CACHED_CONSTANT_BYTES = 1 << 20
 #: One dimension of a recorded shape: its size, its symbol (``"batch"``), or None when unknown.
 Dim = int | str | None

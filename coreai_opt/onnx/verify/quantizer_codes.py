@@ -8,7 +8,7 @@
 * ``identical = #(d = 0) / n``, ``within_one = #(|d| ≤ 1) / n``, ``mean_signed = Σd / n``, ``max_abs = max |d|``.
 
 A quantizer passes when all four rules hold (:attr:`QuantizerCodes.rule` names the first that failed, or the
-kernel class that judged it when all held):
+kernel class that judged it when all held), after rule ``nan``: eager's own output has no NaN there (a 0 / 0).
 
 1. ``qparams``: the file's scale and zero point equal eager's (float32 scale, relative ``1e-6``). They are
    written from the same buffers, so any difference is a defect, whether or not it moves a code.
@@ -39,10 +39,6 @@ kernel class that judged it when all held):
    codes, ``Σd = +339``, z = 9.7; its residual copy z = 9.7; stages.1 attn (behind 0.23 %) likewise; a w4a8 crop
    of a float conv (tests/onnx/test_verify_inherited.py) z = 10. Defects are then left to rules 1-3 and 5.
 
-0. ``nan``: eager's own output holds NaN at this quantizer (a value the float graph produced and quantization
-   cannot represent, e.g. a 0 / 0): reported before anything else, never compared as codes (its code would be
-   undefined; cast to integers it overflows and hid itself as "max 0" while only a third of the codes matched).
-
 5. ``missing``: every activation quantizer eager calls (a ``coreai_opt::quantize_dequantize`` whose input is
    computed from the batch, not from parameters, buffers or constants only) must have a counterpart in the file:
    a node traced from that call, an untraced pair reading its scale buffer, a traced call with the same scale (a
@@ -63,10 +59,9 @@ Kernel classes, from the non-exact onnxruntime kernels between this quantizer an
   arithmetic (exact accumulation, float32 multiplier, round half to even, saturation:
   :class:`~coreai_opt.onnx.verify.integer_reference.IntegerReference`), and every quantizer it reads has identical
   codes. Its codes must then be identical: 0 steps, 0 differing codes (no slack), and rule 4. Measured on the clean
-  w8a8 zoo: 100 % identical at all 105 such quantizers (mobilenet_v2: 53 with its depthwise convolutions;
-  resnet18 21; transformer_encoder: 13 with its attention ``QLinearMatMul``; torch_transformer 7,
-  conv_transpose_decoder 5, shape_unpack 3, conv1d_groupnorm 3), where float eager had 0.84 % differing at
-  mobilenet_v2's classifier.
+  w8a8 zoo: 100 % identical at all 105 such quantizers (mobilenet_v2 53, resnet18 21, transformer_encoder 13 with
+  its attention ``QLinearMatMul``, torch_transformer 7, conv_transpose_decoder 5, shape_unpack 3, conv1d_groupnorm
+  3), where float eager had 0.84 % differing at mobilenet_v2's classifier.
   When a quantizer it reads differs (behind a float kernel or a ``QLinearAdd``), it is judged as ``integer``;
 * ``exact``: none (moves, max-pooling, IEEE elementwise ops): codes can differ only where the inputs' do;
 * ``integer``: only integer kernels (``QLinearAdd``, ``QLinearGlobalAveragePool``, ..., or ``QLinearConv`` /
@@ -311,9 +306,7 @@ def _judge(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor
     s = _broadcast(scale.reshape(-1) if scale.size > 1 else scale, b.axis, y.ndim)
     z = _broadcast(np.broadcast_to(zero_point, scale.shape).reshape(-1) if scale.size > 1 else zero_point, b.axis,
                    y.ndim)
-    nan = np.isnan(y)
-    if nan.any():  # rule 0: eager's own value is undefined here; compare the rest only for the report
-        y = np.where(nan, 0.0, y)
+    y = np.where(nan := np.isnan(y), 0.0, y)  # rule nan; the other values are still compared for the report
     d = got.astype(np.int64) - (np.rint(y / s) + z).astype(np.int64)
     n = max(d.size, 1)
     identical, within_one = float((d == 0).sum()) / n, float((np.abs(d) <= 1).sum()) / n
