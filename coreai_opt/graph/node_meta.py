@@ -30,6 +30,7 @@ from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.quantization.spec.spec import QuantizationSpec
 
 __all__ = [
+    "always_empty",
     "META_KEY",
     "Role",
     "QuantSpec",
@@ -186,6 +187,16 @@ def node_label(node: Node) -> str:
     if meta.module_name and meta.module_type is not None and meta.module_type.__module__.startswith("torch.nn"):
         return meta.module_name
     return f"{meta.module_name}.{node.name}" if meta.module_name else node.name
+
+
+def always_empty(node: Node) -> bool:
+    """A tensor with a dimension of literal size 0 in its traced shape (``x.new_zeros(b, s, 0, d)``, an empty cache).
+
+    It is empty for every input (a symbolic size is never 0 here: ``torch.export`` specializes sizes 0 and 1), so it
+    holds no value a quantizer could observe or round.
+    """
+    info = tensor_info(node)
+    return info is not None and 0 in info[0]
 
 
 def tensor_info(node: Node) -> tuple[tuple[int, ...], torch.dtype] | None:

@@ -79,6 +79,7 @@ from coreai_opt.graph.node_meta import (
     QuantSpec,
     Role,
     SharedSpec,
+    always_empty,
     get_meta,
     set_meta,
 )
@@ -224,6 +225,8 @@ class _Matcher:
                       "its range grows with the sequence and a calibrated range would clip longer inputs"
                       if produces_float and meta.kind not in (OpKind.INPUT, OpKind.OUTPUT) else None)
             return None, reason
+        if produces_float and always_empty(node) and meta.kind not in (OpKind.INPUT, OpKind.OUTPUT):
+            return None, f"{_label(node)} output left float: it is empty for every input (a size-0 dimension)"
         if pattern is None:
             plain_op = meta.kind not in (OpKind.INPUT, OpKind.PARAMETER, OpKind.OUTPUT)
             reason = (f"{_label(node)} output left float: op kind '{meta.kind.value}' has no quantization pattern"
@@ -231,7 +234,7 @@ class _Matcher:
             return None, reason
         layout = lookup_op(node, self.gm).layout
         data = [a for a in _data_args(node, layout)
-                if is_float_tensor(a, self.gm) and a not in self.integer_derived]
+                if is_float_tensor(a, self.gm) and a not in self.integer_derived and not always_empty(a)]
         if pattern.output == "share":
             source = node.args[0] if node.args else None
             if isinstance(source, Node) and (is_float_tensor(source, self.gm) or get_meta(source).kind is OpKind.MOVE):

@@ -62,3 +62,35 @@ def test_quantizer_that_saw_only_empty_selections_is_reported_as_never_calibrate
     calibrate(prepared, [mixed[1], mixed[3]], progress=False)
     with pytest.raises(ValueError, match=r"1 activation quantizer\(s\) were never calibrated: head\.output; .*empty"):
         convert(prepared)
+
+
+class _EmptyCachePrefix(nn.Module):
+    """``cat([x.new_zeros(b, 0, d), proj(x)], 1)``: an empty cache prefix (hf inkling2, deepseek_v4's compressor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.proj(x)
+        prefix = hidden.new_zeros(hidden.shape[0], 0, hidden.shape[2])
+        return self.out(torch.cat([prefix, hidden], dim=1) * 2.0)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_tensor_empty_for_every_input_gets_no_quantizer_and_the_model_exports_and_verifies(capture, tmp_path):
+    from coreai_opt.onnx import export_onnx, verify_onnx
+
+    model = _EmptyCachePrefix().eval()
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 5, 8, generator=gen) for _ in range(3)]
+    prepared = prepare(model, QuantizerConfig.presets.w8a8(), (batches[0],), capture=capture)
+    names = {name for name, _ in fake_quantizers(prepared)}
+    assert not any("new_zeros" in name for name in names), names  # before: a quantizer that never saw a value
+    calibrate(prepared, batches, progress=False)
+    converted = convert(prepared)  # before: "1 activation quantizer(s) were never calibrated: ...new_zeros"
+    path = export_onnx(converted, (batches[0],), tmp_path / "m.onnx")
+    report = verify_onnx(converted, path, [(b,) for b in batches])
+    assert report.ok, report
+    with torch.no_grad():
+        assert torch.equal(converted(batches[1]), converted(batches[1]))

@@ -184,3 +184,14 @@ def test_a_matmul_read_back_in_column_slices_equals_the_whole_weight_read_at_onc
     monkeypatch.setattr(integer_reference, "_CHUNK_ELEMENTS", 64 * 4)  # 4 columns per slice: 10 slices
     sliced = integer_reference._exact_matmul(a, weight.float(), tag)
     assert sliced.dtype == torch.float64 and torch.equal(sliced, whole)
+
+
+@pytest.mark.parametrize(("stride", "padding", "dilation"), [([1], [1], [1]), ([2], [1], [1]), ([1, 2], [1, 0], [2])])
+def test_depthwise_tap_sum_takes_aten_one_element_lists_like_aten(stride, padding, dilation) -> None:
+    # hf EfficientNet's depthwise convs reach aten.convolution with padding=[1] (ATen broadcasts it): IndexError before
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-128, 128, (2, 6, 9, 9), generator=gen).double()
+    w = torch.randint(-127, 128, (6, 1, 3, 3), generator=gen).double()
+    got = integer_reference._exact_convolution(x, w, stride, padding, dilation, 6)
+    want = torch.ops.aten.convolution.default(x, w, None, stride, padding, dilation, False, [0, 0], 6)
+    assert torch.equal(got, want)

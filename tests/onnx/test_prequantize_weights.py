@@ -82,6 +82,27 @@ def test_no_float_copy_of_a_large_weight_reaches_the_protobuf(monkeypatch):
     assert placeholders == ["3.weight"]
 
 
+def test_the_deferred_integers_are_computed_when_the_fold_reads_them_not_before(monkeypatch):
+    converted, x = _converted("w8a8")
+    monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 4096)
+    calls: list[int] = []
+    original = prequantize.quantize_rows
+
+    def counting(*args: object) -> object:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(prequantize, "quantize_rows", counting)
+    _, quantized = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
+    assert isinstance(quantized, prequantize.DeferredValues) and len(quantized) == 1 and calls == []
+    name = next(iter(quantized))
+    first, again = quantized[name], quantized[name]
+    assert len(calls) == 2 and np.array_equal(first, again)  # computed on each read, the same integers
+    assert first.dtype == np.int8 and first.shape == (64, 576)
+    del quantized[name]
+    assert len(quantized) == 0 and len(calls) == 2  # deleting does not compute
+
+
 def test_a_layer_wider_than_the_exporters_fold_limit_is_chunked_and_matches(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8200), nn.ReLU(), nn.Linear(8200, 4)).eval()  # 8200 > 8192 channels

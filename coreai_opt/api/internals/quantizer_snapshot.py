@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from coreai_opt.api.internals.quantizer_state import (
+    commit_from_weight,
     commit_records,
     restore_commit_records,
     stale_weight_quantizers,
@@ -158,12 +159,9 @@ class QuantizerSnapshot:
         """Put every saved buffer, attribute, training flag and commit record back."""
         for saved in self._modules:
             saved.restore()
-        with torch.no_grad():
-            for fq, weight in self._rebuilt:  # as commit_weight_qparams did before calibrate: same bits
-                fq.rounding.qweight = torch.empty(0, dtype=torch.int8, device=fq.rounding.qweight.device)
-                fq.reset_statistics()
-                fq.observe(weight.detach())
-                fq.commit()
+        for fq, weight in self._rebuilt:  # as commit_weight_qparams did before calibrate: same bits
+            fq.rounding.qweight = torch.empty(0, dtype=torch.int8, device=fq.rounding.qweight.device)
+            commit_from_weight(fq, weight)  # its commit record is put back below
         for module, training in self._training:
             module.training = training
         restore_commit_records(self._records)

@@ -20,6 +20,7 @@ __all__ = [
     "commit_records",
     "restore_commit_records",
     "commit_weight_qparams",
+    "commit_from_weight",
     "input_statistics",
 ]
 
@@ -112,11 +113,16 @@ def commit_weight_qparams(gm: fx.GraphModule, *, force: bool = False) -> int:
         The number of weight quantizers committed.
     """
     count = 0
-    with torch.no_grad():
-        for fq, weight in stale_weight_quantizers(gm, force=force):
-            fq.reset_statistics()
-            fq.observe(weight.detach())
-            fq.commit()
-            _COMMITTED_FROM[fq] = (weakref.ref(weight), weight._version)
-            count += 1
+    for fq, weight in stale_weight_quantizers(gm, force=force):
+        commit_from_weight(fq, weight)
+        count += 1
     return count
+
+
+def commit_from_weight(fq: FakeQuantize, weight: torch.Tensor) -> None:
+    """Commit ``fq`` (qparams, and its rounding's result) from ``weight`` alone, and record which weight it was."""
+    with torch.no_grad():
+        fq.reset_statistics()
+        fq.observe(weight.detach())
+        fq.commit()
+    _COMMITTED_FROM[fq] = (weakref.ref(weight), weight._version)

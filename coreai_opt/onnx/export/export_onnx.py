@@ -342,11 +342,12 @@ def export_onnx(
     axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
     model_proto, quantized = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
     check_axes_are_dynamic(model_proto, axes, requested_axes(in_names, dynamic_batch, dynamic_shapes))
-    report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized)
+    detached: dict[str, onnx.TensorProto] = {}  # the large initializers the rewrite wrote, streamed by the save
+    report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized, detached=detached)
     del quantized
     check_no_deferred_weights(model_proto)
     finish_matmul_nbits(model_proto, report)
     record_report(model_proto, report)
     strip_debug_metadata(model_proto)
-    save_model_atomically(model_proto, path)
+    save_model_atomically(model_proto, path, detached)
     return path

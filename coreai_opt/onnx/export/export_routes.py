@@ -112,7 +112,7 @@ def _node_source(chain: list[BaseException]) -> str:
 
 def _is_library_file(path: str) -> bool:
     """Whether ``path`` is torch's or coreai_opt's own code (tracing frames, not the model's)."""
-    roots = (Path(torch.__file__).parent, Path(__file__).resolve().parents[2])
+    roots = (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[2])  # a venv may be a symlink
     return any(Path(path).resolve().is_relative_to(root) for root in roots)
 
 

@@ -16,13 +16,17 @@ The two export routes:
 * dynamo (:func:`defer_large_weights`), on the exporter's in-memory ``onnx_ir`` model before it is serialised: each
   large float weight's tensor is replaced by a placeholder (external data at :data:`DEFERRED_LOCATION`, no bytes),
   so the float weights never reach the protobuf; the fold removes the placeholders with their chains and
-  :func:`check_no_deferred_weights` proves none is left.
+  :func:`check_no_deferred_weights` proves none is left. The integers are computed when the fold reads them
+  (:class:`DeferredValues`), so only one weight's integers exist outside the file's tensors at a time (a 1.1 B
+  decoder's were 1.1 GB held at once).
 * TorchScript fallback (:func:`prequantize_initializers`), on the protobuf: that exporter serialises the model
   itself, float weights included, before coreai_opt sees it, so its float copy cannot be avoided; the chunks still
   bound the fold's temporaries to a few :data:`CHUNK_BYTES`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping
 
 import numpy as np
 import onnx
@@ -35,7 +39,7 @@ from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.qdq import axis_and_block
 from coreai_opt.onnx.rewrite.row_chunks import qparam_rows, row_ranges
 
-__all__ = ["CHUNK_BYTES", "DEFERRED_LOCATION", "PREQUANTIZE_MIN_BYTES", "check_no_deferred_weights",
+__all__ = ["CHUNK_BYTES", "DEFERRED_LOCATION", "PREQUANTIZE_MIN_BYTES", "DeferredValues", "check_no_deferred_weights",
            "defer_large_weights", "prequantize_initializers", "quantize_rows"]
 
 #: Float weights at least this large are quantized in chunks before the fold; smaller ones by the fold itself.
@@ -77,6 +81,50 @@ def quantize_rows(node: onnx.NodeProto, weight: np.ndarray, scale: np.ndarray,
     return out
 
 
+def _refuses(node: onnx.NodeProto, shape: tuple[int, ...], scale: np.ndarray, zero_point: np.ndarray | None) -> bool:
+    """Whether the evaluator refuses ``node`` on a float32 weight of ``shape`` (probed on one chunk of zeros).
+
+    Refusals depend on the dtypes, attributes and zero point only, never on the weight's values.
+    """
+    axis, block_size = axis_and_block(node)
+    rows = next(iter(row_ranges(shape, axis % len(shape), block_size, CHUNK_BYTES)))
+    probe = np.zeros(shape, dtype=np.float32)[rows]  # untouched zero pages: only the chunk is ever written
+    inputs = [np.ascontiguousarray(probe), qparam_rows(scale, axis % len(shape), block_size, rows)]
+    if zero_point is not None:
+        inputs.append(qparam_rows(zero_point, axis % len(shape), block_size, rows))
+    return not isinstance(evaluate_node(node, inputs), np.ndarray)
+
+
+class DeferredValues(MutableMapping[str, np.ndarray]):
+    """``{name: value}`` whose values are computed each time they are read (the fold reads each once, then deletes it).
+
+    What :func:`defer_large_weights` returns: holding every large weight's integers at once would be a second copy
+    of the file's tensors (one byte per weight element) beside the file being written.
+    """
+
+    def __init__(self) -> None:
+        self._compute: dict[str, Callable[[], np.ndarray]] = {}
+
+    def defer(self, name: str, compute: Callable[[], np.ndarray]) -> None:
+        """Make ``compute()`` the value of ``name``."""
+        self._compute[name] = compute
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._compute[name]()
+
+    def __setitem__(self, name: str, value: np.ndarray) -> None:
+        self._compute[name] = lambda: value
+
+    def __delitem__(self, name: str) -> None:
+        del self._compute[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._compute)
+
+    def __len__(self) -> int:
+        return len(self._compute)
+
+
 def _only_dequantized(uses: list[tuple[object, int]]) -> bool:
     """Every use is input 0 of a standard ``DequantizeLinear`` (so the fold removes the whole chain)."""
     return bool(uses) and all(getattr(node, "op_type", None) == "DequantizeLinear" and node.domain in _STANDARD
@@ -103,7 +151,7 @@ def _constant_array(value: ir.Value | None, depth: int = 4) -> np.ndarray | None
     return result if isinstance(result, np.ndarray) else None
 
 
-def defer_large_weights(model: ir.Model, min_bytes: int | None = None) -> dict[str, np.ndarray]:
+def defer_large_weights(model: ir.Model, min_bytes: int | None = None) -> DeferredValues:
     """Quantize the large weight chains of the exporter's model in chunks; leave placeholders for their floats.
 
     A chain is a float32 initializer of at least ``min_bytes`` read only by one standard ``QuantizeLinear`` with
@@ -115,12 +163,13 @@ def defer_large_weights(model: ir.Model, min_bytes: int | None = None) -> dict[s
         min_bytes: Smallest weight handled (default :data:`PREQUANTIZE_MIN_BYTES`).
 
     Returns:
-        ``{QuantizeLinear output name: quantized weight}``, for ``rewrite.apply(..., precomputed=...)``.
+        ``{QuantizeLinear output name: quantized weight}`` (computed when read), for ``rewrite.apply(...,
+        precomputed=...)``.
     """
     min_bytes = PREQUANTIZE_MIN_BYTES if min_bytes is None else min_bytes
     graph = model.graph
     outputs = {id(v) for v in graph.outputs} | {id(v) for v in graph.inputs}
-    values: dict[str, np.ndarray] = {}
+    values = DeferredValues()
     for node in graph:
         if node.op_type != "QuantizeLinear" or node.domain not in _STANDARD or len(node.outputs) != 1:
             continue
@@ -136,14 +185,28 @@ def defer_large_weights(model: ir.Model, min_bytes: int | None = None) -> dict[s
         scale, zero_point_array = _constant_array(node.inputs[1]), _constant_array(zero_point)
         if scale is None or (zero_point is not None and zero_point_array is None):
             continue
-        quantized = quantize_rows(ir.serde.serialize_node(node), tensor.numpy(), scale, zero_point_array)
-        if quantized is None:
+        proto = ir.serde.serialize_node(node)
+        if _refuses(proto, tuple(tensor.shape.numpy()), scale, zero_point_array):
             continue
-        values[node.outputs[0].name] = quantized
+        values.defer(node.outputs[0].name, _quantizer(proto, tensor, scale, zero_point_array))
         weight.const_value = ir.ExternalTensor(DEFERRED_LOCATION, 0, tensor.nbytes, tensor.dtype,
                                                shape=tensor.shape, name=tensor.name or weight.name)
         del tensor
     return values
+
+
+def _quantizer(node: onnx.NodeProto, tensor: ir.TensorProtocol, scale: np.ndarray,
+               zero_point: np.ndarray | None) -> Callable[[], np.ndarray]:
+    """``quantize_rows`` of ``tensor``'s value, read when called (an ``onnx_ir`` tensor over the model's memory)."""
+
+    def compute() -> np.ndarray:
+        quantized = quantize_rows(node, tensor.numpy(), scale, zero_point)
+        if quantized is None:  # _refuses said it would not
+            raise CoreaiOptRuntimeError(f"internal error: quantizing {tensor.name} was refused after a probe "
+                                        "accepted it; please report it")
+        return quantized
+
+    return compute
 
 
 def prequantize_initializers(model: onnx.ModelProto, min_bytes: int | None = None) -> dict[str, np.ndarray]:

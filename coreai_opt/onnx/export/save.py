@@ -85,31 +85,42 @@ def external_data_path(path: Path) -> Path:
     return path.with_name(path.name + ".data")
 
 
-def _tensor_bytes(model: onnx.ModelProto) -> int:
-    return sum(len(t.raw_data) if t.HasField("raw_data") else t.ByteSize() for t in model.graph.initializer)
+def _tensor_bytes(model: onnx.ModelProto, detached: dict[str, onnx.TensorProto]) -> int:
+    tensors = [detached.get(t.name, t) for t in model.graph.initializer]
+    return sum(len(t.raw_data) if t.HasField("raw_data") else t.ByteSize() for t in tensors)
 
 
-def _externalize(model: onnx.ModelProto, location: str, out: BinaryIO) -> None:
-    """Move large initializers out of ``model`` (in place), writing the data file to ``out`` one tensor at a time."""
+def _externalize(model: onnx.ModelProto, location: str, out: BinaryIO, detached: dict[str, onnx.TensorProto]) -> None:
+    """Move large initializers out of ``model`` (in place), writing the data file to ``out`` one tensor at a time.
+
+    A detached tensor (consumed from ``detached``) is written from its own message and only its description (name,
+    type, dims, external-data record) is copied into its stub.
+    """
     offset = 0
-    for tensor in model.graph.initializer:
+    for stub in model.graph.initializer:
+        tensor = detached.pop(stub.name, stub)
         if not tensor.HasField("raw_data"):
             tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor), tensor.name))
         if len(tensor.raw_data) < EXTERNAL_TENSOR_MIN_BYTES:
+            if tensor is not stub:
+                stub.CopyFrom(tensor)
             continue
         padding = -offset % EXTERNAL_DATA_ALIGNMENT
         out.write(b"\0" * padding)
         offset += padding
         data = tensor.raw_data
         out.write(data)
-        del tensor.external_data[:]
+        if tensor is not stub:
+            tensor.ClearField("raw_data")  # a standalone message: its data is freed now
+            stub.CopyFrom(tensor)
+        del stub.external_data[:]
         for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
-            entry = tensor.external_data.add()
+            entry = stub.external_data.add()
             entry.key, entry.value = key, value
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        tensor.ClearField("raw_data")
+        stub.data_location = onnx.TensorProto.EXTERNAL
+        stub.ClearField("raw_data")
         offset += len(data)
-        del data
+        del data, tensor
 
 
 def _name_max(directory: Path) -> int:
@@ -247,7 +258,8 @@ def _set_location(model: onnx.ModelProto, location: str) -> None:
                 entry.value = location
 
 
-def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
+def save_model_atomically(model: onnx.ModelProto, path: Path,
+                          detached: dict[str, onnx.TensorProto] | None = None) -> bool:
     """Check and write ``model`` to ``path`` following the module's path rules (``model`` may be modified).
 
     The model is checked from its temporary files before they are moved into place (so the serialised bytes are
@@ -256,6 +268,8 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
 
     Args:
         model: The model; its large initializers are moved to external data in place when needed.
+        detached: Initializers held outside ``model`` (``OnnxGraph.write_back(detached=True)``; the model has
+            name-only stubs for them), written in their stubs' places and consumed (each freed once written).
         path: Destination (validate it with :func:`check_output_path` first).
 
     Returns:
@@ -265,7 +279,8 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
         onnx.checker.ValidationError: The model is invalid (nothing is written).
         CoreaiOptValueError: External data is needed but ``path.name + ".data"`` exceeds the name limit.
     """
-    external = _tensor_bytes(model) > SINGLE_FILE_LIMIT_BYTES
+    detached = {} if detached is None else detached
+    external = _tensor_bytes(model, detached) > SINGLE_FILE_LIMIT_BYTES
     data_path = external_data_path(path)
     if external and len(os.fsencode(data_path.name)) > _name_max(path.parent):
         raise CoreaiOptValueError(
@@ -275,7 +290,7 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
     temps: list[Path] = []
     try:
         if external:
-            temp_data = _write_temp(data_path, lambda out: _externalize(model, "", out))  # streamed: no 2nd copy
+            temp_data = _write_temp(data_path, lambda out: _externalize(model, "", out, detached))  # streamed
             temps.append(temp_data)
             _set_location(model, temp_data.name)
             temp_model = _write_temp(path, lambda out: write_model(model, out))
@@ -285,7 +300,7 @@ def save_model_atomically(model: onnx.ModelProto, path: Path) -> bool:
             temp_model.write_bytes(model.SerializeToString(deterministic=True))
             os.replace(temp_data, data_path)
         else:  # streamed (one initializer's encoding at a time), then checked from the file
-            temp_model = _write_temp(path, lambda out: write_model(model, out))
+            temp_model = _write_temp(path, lambda out: write_model(model, out, detached))
             temps.append(temp_model)
             onnx.checker.check_model(str(temp_model))
         os.replace(temp_model, path)

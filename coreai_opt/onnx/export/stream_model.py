@@ -84,12 +84,16 @@ def streams(model: onnx.ModelProto) -> bool:
             and len(unknown_fields.UnknownFieldSet(model.graph)) == 0)
 
 
-def write_model(model: onnx.ModelProto, out: BinaryIO) -> int:
+def write_model(model: onnx.ModelProto, out: BinaryIO, detached: dict[str, onnx.TensorProto] | None = None) -> int:
     """Write ``model.SerializeToString(deterministic=True)`` to ``out``, encoding one initializer at a time.
 
     Args:
-        model: The model (not modified).
+        model: The model (not modified, unless ``detached`` is given and streaming is not possible: then the
+            detached tensors are copied into their stubs first).
         out: A binary file open for writing.
+        detached: Initializers held outside the model (:meth:`coreai_opt.onnx.rewrite.graph.OnnxGraph.write_back`
+            with ``detached=True``), written in place of the name-only stubs of the same name; each entry is
+            removed (and freed) once written, so the dict is consumed.
 
     Returns:
         The number of bytes written.
@@ -98,20 +102,25 @@ def write_model(model: onnx.ModelProto, out: BinaryIO) -> int:
         CoreaiOptRuntimeError: An initializer's encoding changed length between sizing and writing (the file would
             be corrupt; never expected).
     """
+    detached = {} if detached is None else detached
     if not streams(model):
+        for stub in model.graph.initializer:
+            if stub.name in detached:
+                stub.CopyFrom(detached.pop(stub.name))
         data = model.SerializeToString(deterministic=True)
         out.write(data)
         return len(data)
     graph = model.graph
     model_below, model_above = _split(model, _GRAPH_FIELD)
     graph_below, graph_above = _split(graph, _INITIALIZER_FIELD)
-    sizes = [tensor.ByteSize() for tensor in graph.initializer]
+    sizes = [detached.get(stub.name, stub).ByteSize() for stub in graph.initializer]
     key = _key(_INITIALIZER_FIELD)
     graph_length = len(graph_below) + len(graph_above) + sum(len(key) + len(_varint(s)) + s for s in sizes)
     graph_head = _key(_GRAPH_FIELD) + _varint(graph_length)
     for part in (model_below, graph_head, graph_below):
         out.write(part)
-    for tensor, size in zip(graph.initializer, sizes, strict=True):
+    for stub, size in zip(graph.initializer, sizes, strict=True):
+        tensor = detached.pop(stub.name, stub)
         data = tensor.SerializeToString(deterministic=True)
         if len(data) != size:
             raise CoreaiOptRuntimeError(
@@ -119,7 +128,7 @@ def write_model(model: onnx.ModelProto, out: BinaryIO) -> int:
                 "file would be corrupt, so nothing is written; please report it")
         out.write(key + _varint(size))
         out.write(data)
-        del data
+        del data, tensor
     out.write(graph_above)
     out.write(model_above)
     return len(model_below) + len(graph_head) + graph_length + len(model_above)

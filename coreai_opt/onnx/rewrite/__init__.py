@@ -106,7 +106,8 @@ POST_PASSES: tuple[Rule, ...] = (
 
 
 def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES,
-          precomputed: MutableMapping[str, np.ndarray] | None = None) -> RewriteReport:
+          precomputed: MutableMapping[str, np.ndarray] | None = None,
+          detached: dict[str, onnx.TensorProto] | None = None) -> RewriteReport:
     """Apply ``rules`` in order to the main graph of ``model``, in place.
 
     Args:
@@ -114,12 +115,19 @@ def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES,
         rules: The rules, default :data:`POST_PASSES`.
         precomputed: Constant values already computed outside the graph (see
             :class:`~coreai_opt.onnx.rewrite.graph.OnnxGraph`).
+        detached: When given, the large initializers the rules wrote are put here instead of into ``model``
+            (which keeps name-only stubs for them), for ``save_model_atomically(model, path, detached)`` to stream
+            them into the file: a replaced one was freed at once, and none is ever copied into the protobuf
+            (:mod:`coreai_opt.onnx.rewrite.initializers`). None: they are copied into ``model``.
 
     Returns:
         ``{rule name: sites rewritten}`` and the near misses (see :mod:`~coreai_opt.onnx.rewrite.rule`).
     """
     graph = OnnxGraph(model, precomputed)
     report = run_rules(rules, graph)
-    graph.write_back()
+    released = graph.write_back(detached=detached is not None)
+    if detached is not None:
+        detached.update(released)
+        del released
     import_domains(model, rules, report)
     return report

@@ -5,12 +5,12 @@ up to date by every edit), constants as numpy arrays (initializers that are not 
 nodes), the shapes the graph records (graph inputs, ``value_info``, graph outputs; read once), unique value and
 node names, and the edits (insert / replace / remove nodes, rewire uses, add / change / remove initializers,
 remove what nothing reads). Nodes are kept in a Python list in graph order and written back with
-:meth:`OnnxGraph.write_back`; initializers and ``value_info`` are edited in the protobuf directly.
+:meth:`OnnxGraph.write_back`; ``value_info`` is edited in the protobuf directly, initializers through
+:class:`~coreai_opt.onnx.rewrite.initializers.Initializers` (the large ones the rules write are held outside the
+protobuf until the session ends, so a replaced one is freed).
 
 Rules edit only through these methods (never ``node.input[i] = ...`` on a node of the graph), so the maps stay
-right. It is our own small IR over the protobuf rather than ``onnx_ir`` because an ``onnx_ir`` round trip of an
-unchanged exported model already changes its bytes (it drops the ``value_info`` of the folded-away float weights and
-writes initializer ``value_info`` in another order), which would break the byte-identical export.
+right. Why not ``onnx_ir``: see :mod:`coreai_opt.onnx.rewrite` (a round trip already changes the file's bytes).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["CACHED_CONSTANT_BYTES", "OnnxGraph", "Dim", "attributes_of"]
+from coreai_opt.onnx.rewrite.initializers import CACHED_CONSTANT_BYTES, Initializers
 
-#: Constants up to this many bytes are cached as numpy arrays; a weight is converted when read (llm_memory RESULTS).
-CACHED_CONSTANT_BYTES = 1 << 20
+__all__ = ["OnnxGraph", "Dim", "attributes_of"]
+
 #: One dimension of a recorded shape: its size, its symbol (``"batch"``), or None when unknown.
 Dim = int | str | None
 
@@ -48,11 +48,9 @@ class OnnxGraph:
 
     Args:
         model: The model whose main graph is rewritten in place (functions and subgraphs are not rewritten).
-        precomputed: Values of some of its computed constants, already evaluated outside the graph (the
-            quantized large weights of :mod:`coreai_opt.onnx.export.prequantize_weights`, keyed by the name of the
-            ``QuantizeLinear`` output); the constant folder takes them instead of evaluating their nodes. The
-            mapping is used, not copied: a rule removes an entry it has stored in the graph, so the large arrays
-            are freed as the rewrite goes.
+        precomputed: Computed constants evaluated outside the graph (the large weights of
+            :mod:`coreai_opt.onnx.export.prequantize_weights`, keyed by their ``QuantizeLinear`` output), which the
+            constant folder takes instead of evaluating their nodes; used, not copied (a rule deletes what it stored).
 
     Attributes:
         precomputed: The ``precomputed`` values not used up yet.
@@ -67,8 +65,8 @@ class OnnxGraph:
         self.edits = 0
         self._taken_values: set[str] = set()
         self._taken_nodes: set[str] = set()
-        self._initializers = {t.name: t for t in self.proto.initializer}
-        self._arrays: dict[str, np.ndarray] = {}
+        self._store = Initializers(self.proto)
+        self._node_constants: dict[str, np.ndarray] = {}
         self._producer: dict[str, onnx.NodeProto] = {}
         self._readers: dict[str, list[onnx.NodeProto]] = {}
         self._members: set[int] = set()
@@ -83,7 +81,7 @@ class OnnxGraph:
                     d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                     for d in value.type.tensor_type.shape.dim
                 )
-        self._taken_values.update(self._initializers, self.inputs, self.outputs)
+        self._taken_values.update(self._store, self.inputs, self.outputs)
 
     # ---- look-ups -------------------------------------------------------------------------------------------
 
@@ -115,25 +113,24 @@ class OnnxGraph:
 
     def initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer called ``name``, if any (also when a graph input of that name overrides it)."""
-        return self._initializers.get(name)
+        return self._store.get(name)
 
     def initializers(self) -> Iterator[onnx.TensorProto]:
         """The initializers, in file order."""
-        return iter(self.proto.initializer)
+        return self._store.tensors()
 
     def constant(self, name: str) -> np.ndarray | None:
         """The value of ``name`` if it is a constant: an initializer that is not a graph input, or a ``Constant``."""
-        if name in self._arrays:
-            return self._arrays[name]
-        tensor = self._initializers.get(name)
-        if tensor is not None:
-            value = None if name in self.inputs else numpy_helper.to_array(tensor)
-        else:
-            node = self._producer.get(name)
-            is_constant_node = node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx")
-            value = _constant_node_value(node) if is_constant_node else None
+        if name in self._store:
+            return None if name in self.inputs else self._store.array(name)
+        if name in self._node_constants:
+            return self._node_constants[name]
+        node = self._producer.get(name)
+        if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            return None
+        value = _constant_node_value(node)
         if value is not None and value.nbytes <= CACHED_CONSTANT_BYTES:
-            self._arrays[name] = value
+            self._node_constants[name] = value
         return value
 
     def shape(self, name: str) -> tuple[Dim, ...] | None:
@@ -216,7 +213,7 @@ class OnnxGraph:
         Raises:
             ValueError: A cycle or an input that nothing produces.
         """
-        available = {*self._initializers, *self.inputs, ""}
+        available = {*self._store, *self.inputs, ""}
         pending, ordered = list(self._nodes), []
         while pending:
             blocked = []
@@ -237,10 +234,7 @@ class OnnxGraph:
 
     def add_initializer(self, name: str, value: np.ndarray) -> str:
         """Append an initializer called ``name`` (already unique) holding ``value``; return ``name``."""
-        self.proto.initializer.append(numpy_helper.from_array(value, name))
-        self._initializers[name] = self.proto.initializer[-1]
-        if value.nbytes <= CACHED_CONSTANT_BYTES:
-            self._arrays[name] = value
+        self._store.add(name, value)
         self._taken_values.add(name)
         self.edits += 1
         return name
@@ -258,9 +252,13 @@ class OnnxGraph:
 
     def set_initializer(self, name: str, value: np.ndarray) -> None:
         """Replace the data of initializer ``name`` in place (same position in the file)."""
-        self._initializers[name].CopyFrom(numpy_helper.from_array(value, name))
-        self._arrays[name] = value
+        self._store.set(name, value)
         self.edits += 1
+
+    def remove_unread(self, names: Iterable[str]) -> None:
+        """Remove those of the initializers ``names`` that no node reads now (a large one is freed at once)."""
+        if self._store.remove({n for n in names if n not in self._readers and n not in self.outputs}):
+            self.edits += 1
 
     def annotate(self, name: str, elem_type: int, dims: list[Dim]) -> None:
         """Record the type and shape of a value a rule created in ``value_info`` (None: unknown dimension)."""
@@ -303,22 +301,20 @@ class OnnxGraph:
                     self._unindex(node)
             self._nodes = kept[::-1]
             self._changed()
-        if any(name not in live for name in self._initializers):
-            # deleted one by one: re-adding the survivors would copy every weight into the protobuf's arena again
-            dead = [i for i, t in enumerate(self.proto.initializer) if t.name not in live]
-            for index in reversed(dead):
-                del self.proto.initializer[index]
-            self._initializers = {t.name: t for t in self.proto.initializer}
-            self._arrays = {k: v for k, v in self._arrays.items() if k in self._initializers}
+        if self._store.keep_only(live):
             self.edits += 1
 
-    def write_back(self) -> None:
-        """Store the node list in the protobuf (the graph object must not be used afterwards).
+    def write_back(self, *, detached: bool = False) -> dict[str, onnx.TensorProto]:
+        """Store the nodes and the detached initializers in the protobuf (the object is not used afterwards).
 
-        The ``value_info`` of values no node produces any more (folded away by a rule: a float weight, the
-        scale chain of its fake quantizer) is dropped: it only adds bytes, and a later pass that re-creates
-        the name would inherit a stale shape.
+        With ``detached`` the detached initializers are returned instead (their stubs stay, for
+        :func:`~coreai_opt.onnx.export.save.save_model_atomically` to stream), else ``{}``. The ``value_info`` of
+        values no node produces any more (folded away by a rule: a float weight, the scale chain of its fake
+        quantizer) is dropped: it only adds bytes, and a later pass re-creating the name would inherit a stale shape.
         """
+        released = self._store.release() if detached else {}
+        if not detached:
+            self._store.attach()
         del self.proto.node[:]
         self.proto.node.extend(self._nodes)
         live = set(self._producer) | {value.name for value in self.proto.input}
@@ -328,6 +324,7 @@ class OnnxGraph:
             del self.proto.value_info[:]
             self.proto.value_info.extend(kept)
         self._members.clear()
+        return released
 
     # ---- internals ------------------------------------------------------------------------------------------
 
@@ -367,8 +364,8 @@ class OnnxGraph:
             self._readers.pop(name, None)
 
     def _forget_value(self, name: str) -> None:
-        if name not in self._initializers:
-            self._arrays.pop(name, None)
+        if name not in self._store:
+            self._node_constants.pop(name, None)
 
     def _positions(self) -> dict[int, int]:
         if self._position is None:

@@ -129,6 +129,8 @@ def _exact_convolution(x: torch.Tensor, w: torch.Tensor, stride: list[int], padd
     """
     if x.dim() != 4 or groups == 1 or w.shape[1] != 1 or groups != x.shape[1]:
         return _aten.convolution.default(x, w, None, stride, padding, dilation, False, [0] * (x.dim() - 2), groups)
+    # ATen broadcasts a one-element list to both spatial axes (hf EfficientNet's depthwise convs pass padding=[1])
+    stride, padding, dilation = ([v[0]] * 2 if len(v) == 1 else list(v) for v in (stride, padding, dilation))
     x = x.repeat_interleave(w.shape[0] // groups, dim=1) if w.shape[0] != groups else x
     x = torch.nn.functional.pad(x, (padding[1], padding[1], padding[0], padding[0]))
     (sh, sw), (dh, dw), (kh, kw) = stride, dilation, w.shape[2:]

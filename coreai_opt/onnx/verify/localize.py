@@ -382,6 +382,8 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
         if tuple(ref.shape) != got.shape:
             continue  # not the same tensor (an op the exporter rewrote): skip rather than guess
         if kind == "quantizer":
+            if b.tensor not in bounds:  # no node of the optimized graph computes it (folded to a constant there)
+                continue
             difference, allowed = _steps_apart(b, ref, got), float(bounds[b.tensor].steps)
         else:
             span = float(ref.max() - ref.min()) if ref.numel() else 0.0

@@ -101,8 +101,8 @@ class FoldQuantizedWeights(Rule):
                     for slot, used in enumerate(reader.input):
                         if used == name:
                             graph.set_input(reader, slot, folded)
-            if index == 0:
-                graph.precomputed.pop(name, None)  # stored now: the large precomputed integers are not needed
+            if index == 0 and name in graph.precomputed:  # stored now: the large integers are not needed again
+                del graph.precomputed[name]
         if match.clamp is not None:
             if not clamp_stored:
                 graph.set_initializer(node.input[0], match.clamp.stored)

@@ -104,3 +104,4 @@ class FuseSharedInputMatMulNBits(Rule):
         for member in match.members[1:]:
             graph.remove(member)
         graph.replace(first, nodes)
+        graph.remove_unread([name for member in match.members for name in member.input[1:]])  # freed now
