@@ -86,7 +86,8 @@ def start_memory_watch(name: str, limit_gib: float) -> None:
                 stage = running_stage(sys._current_frames()[main_id])
                 row = {"name": name, "failed_stage": "memory",
                        "error": f"MemoryExceeded: over the {limit_gib:g} GiB memory limit of the child in {stage}"}
-                print("SWEEP-ROW " + json.dumps(row), flush=True)
+                # the process's own stdout: a stage may have redirected sys.stdout (the peer's float export does)
+                print("SWEEP-ROW " + json.dumps(row), file=sys.__stdout__, flush=True)
                 os._exit(0)
             time.sleep(0.5)
 
