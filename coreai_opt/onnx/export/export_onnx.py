@@ -69,7 +69,7 @@ from coreai_opt.onnx.export.prequantize_weights import (
 )
 from coreai_opt.onnx.export.rounded_weights import bind_rounded_weights, rounded_weight_buffers
 from coreai_opt.onnx.export.save import check_output_path, save_model_atomically
-from coreai_opt.onnx.rewrite.rewrite_report import record_report
+from coreai_opt.onnx.rewrite.rewrite_report import ABSORBED_KEY, record_report
 from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import finish_matmul_nbits
 from coreai_opt.passes.sink_weight_quantizers import eager_order
 from coreai_opt.quantization.fake_quantize.calibration_state import calibration_state_hidden
@@ -83,7 +83,7 @@ __all__ = ["export_onnx", "BATCH_DIM_NAME", "strip_debug_metadata"]
 #: Name of the symbolic batch dimension in the exported graph.
 BATCH_DIM_NAME = BATCH
 #: Exporter node metadata kept in the file (the module path each node came from).
-_KEPT_NODE_METADATA = frozenset({"namespace"})
+_KEPT_NODE_METADATA = frozenset({"namespace", ABSORBED_KEY})
 
 
 def _as_input_tuple(example_inputs: object) -> tuple[torch.Tensor, ...]:
@@ -149,7 +149,7 @@ def _count_outputs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
 
 
 def strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
-    """Keep only the ``namespace`` (module path) of each node's exporter metadata, and none of the graph's.
+    """Keep only the ``namespace`` (module path) and ``coreai_opt.absorbed`` of each node's metadata, no graph's.
 
     The dynamo exporter also records the FX node text, the class hierarchy and the Python stack trace (absolute
     source paths) on every node; on small models that is as large as the quantized weights and it ties the file's

@@ -93,6 +93,29 @@ def module_path(node: onnx.NodeProto) -> str:
     return "/".join(name for name in names if name)
 
 
+#: Node metadata listing the ``namespace`` entries of the quantizer nodes a rule folded into this node exactly (one
+#: per line): the calls they were traced from stay accounted for (:mod:`coreai_opt.onnx.verify.missing_calls`).
+ABSORBED_KEY = "coreai_opt.absorbed"
+
+
+def carry_metadata(new: onnx.NodeProto, old: onnx.NodeProto, *absorbed: onnx.NodeProto) -> onnx.NodeProto:
+    """Give ``new`` (replacing ``old``) ``old``'s metadata, and record the traces of the ``absorbed`` nodes.
+
+    Returns:
+        ``new``.
+    """
+    new.metadata_props.extend(old.metadata_props)
+    lines = [entry.value for node in absorbed for entry in node.metadata_props
+             if entry.key in ("namespace", ABSORBED_KEY)]
+    if lines:
+        previous = [e.value for e in new.metadata_props if e.key == ABSORBED_KEY]
+        kept = [e for e in new.metadata_props if e.key != ABSORBED_KEY]
+        del new.metadata_props[:]
+        new.metadata_props.extend(kept)
+        new.metadata_props.add(key=ABSORBED_KEY, value="\n".join([*previous, *lines]))
+    return new
+
+
 def record_report(model: onnx.ModelProto, report: RewriteReport) -> None:
     """Store ``report`` in ``model.metadata_props`` (replacing an earlier report)."""
     kept = [entry for entry in model.metadata_props if entry.key != METADATA_KEY]

@@ -19,17 +19,23 @@ import numpy as np
 import onnx
 import torch
 
+from coreai_opt.onnx.rewrite.rewrite_report import ABSORBED_KEY
+
 __all__ = ["input_key", "missing_calls", "traced_calls", "untraced_scales"]
 
 _TRACED_CALL = re.compile(r"quantize_dequantize(?:_(\d+))?: coreai_opt\.quantize_dequantize\.default")
 
 
 def traced_calls(model: onnx.ModelProto) -> set[int]:
-    """Indices of the ``coreai_opt::quantize_dequantize`` calls some node's ``namespace`` metadata names."""
+    """Indices of the ``coreai_opt::quantize_dequantize`` calls some node's ``namespace`` metadata names.
+
+    Also those a rewrite rule folded into a node exactly (its :data:`ABSORBED_KEY` entry: the pad's pair that
+    ``fold_pads_into_convs`` moved into a ``QLinearConv``'s zero-point padding).
+    """
     calls = set()
     for node in model.graph.node:
         for prop in node.metadata_props:
-            if prop.key == "namespace":
+            if prop.key in ("namespace", ABSORBED_KEY):
                 calls.update(int(m.group(1) or 0) for m in _TRACED_CALL.finditer(prop.value))
     return calls
 

@@ -87,3 +87,34 @@ def test_a_pad_that_computes_values_stays_and_the_file_still_verifies(tmp_path, 
     converted, path, batches = _export(_SamePadded(value, mode).eval(), tmp_path)
     assert [n.op_type for n in onnx.load(str(path)).graph.node].count("Pad") == 2
     assert co.verify_onnx(converted, path, [b for b, in batches]).ok
+
+
+class _ZeroPadModules(nn.Module):
+    """HF EfficientNet's stride-2 depthwise block: ``nn.ZeroPad2d`` (a module) -> depthwise conv, ``padding=0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand, self.pad = nn.Conv2d(3, 8, 1), nn.ZeroPad2d((0, 1, 0, 1))
+        self.depthwise = nn.Conv2d(8, 8, 3, stride=2, groups=8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.depthwise(self.pad(F.relu6(self.expand(x))))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_folded_pad_pair_stays_accounted_for_so_verify_does_not_call_it_missing(tmp_path, capture):
+    # before: verify_onnx failed rule `missing` on HF EfficientNet: the pad's pair, folded into the QLinearConv's
+    # zero-point padding, had no node of the file traced to it
+    from coreai_opt.onnx.rewrite.rewrite_report import ABSORBED_KEY
+
+    converted, path, batches = _export(_ZeroPadModules().eval(), tmp_path, capture)
+    model = onnx.load(str(path))
+    assert not [n for n in model.graph.node if n.op_type == "Pad"]
+    conv = next(n for n in model.graph.node if n.op_type == "Conv"
+                and any(e.key == "namespace" and "depthwise:" in e.value for e in n.metadata_props))
+    absorbed = [e.value for e in conv.metadata_props if e.key == ABSORBED_KEY]
+    assert len(absorbed) == 1 and "quantize_dequantize" in absorbed[0]
+    assert [e.key for e in conv.metadata_props if e.key == "namespace"] == ["namespace"]  # its own trace kept
+    report = co.verify_onnx(converted, path, [b for b, in batches])
+    assert report.ok, str(report)
+    assert all(q.rule != "missing" for q in report.quantizers)

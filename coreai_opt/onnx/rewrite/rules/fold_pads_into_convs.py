@@ -31,6 +31,7 @@ from onnx import helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
 from coreai_opt.onnx.rewrite.qdq import QdqView
+from coreai_opt.onnx.rewrite.rewrite_report import carry_metadata
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule
 
 __all__ = ["FoldPadsIntoConvs"]
@@ -114,13 +115,14 @@ class FoldPadsIntoConvs(Rule):
         spatial = len(match.spatial_pads) // 2
         pads = [int(p) for p in attrs.get("pads", [0] * (2 * spatial))]
         attrs["pads"] = [a + b for a, b in zip(pads, match.spatial_pads, strict=True)]
-        inputs = list(node.input)
-        if match.source:
-            inputs[0] = match.source
+        inputs, absorbed = list(node.input), []
+        if match.source:  # the pad's pair goes: the convolution computes its codes (it pads with the zero point)
+            inputs[0], absorbed = match.source, [match.quantize]
         else:
             quantize = match.quantize
-            graph.replace(quantize, [helper.make_node("QuantizeLinear", [match.pad.input[0], *quantize.input[1:]],
-                                                      list(quantize.output), name=quantize.name,
-                                                      **attributes_of(quantize))])
+            moved = helper.make_node("QuantizeLinear", [match.pad.input[0], *quantize.input[1:]],
+                                     list(quantize.output), name=quantize.name, **attributes_of(quantize))
+            graph.replace(quantize, [carry_metadata(moved, quantize)])
             graph.forget_shapes({quantize.output[0], graph.readers(quantize.output[0])[0].output[0]})
-        graph.replace(node, [helper.make_node("Conv", inputs, list(node.output), name=node.name, **attrs)])
+        conv = helper.make_node("Conv", inputs, list(node.output), name=node.name, **attrs)
+        graph.replace(node, [carry_metadata(conv, node, *absorbed)])
