@@ -93,6 +93,31 @@ def test_chunked_dequantize_is_bit_exact(granularity, monkeypatch) -> None:
     assert torch.equal(rounding.dequantized().view(torch.int32), formula.view(torch.int32))
 
 
+@pytest.mark.parametrize("granularity", [PerTensor(), PerChannel(0), PerChannel(1), PerBlock(1, 8), PerBlock(0, 8)])
+@pytest.mark.parametrize("rows", [slice(0, 48), slice(0, 8), slice(8, 24), slice(40, 48), slice(3, 5)])
+def test_dequantized_rows_are_the_rows_of_the_whole_dequantized_weight_bit_for_bit(granularity, rows) -> None:
+    torch.manual_seed(1)
+    rounding = RTNRounding(QuantizationSpec(dtype="int4", granularity=granularity))
+    rounding.commit(torch.randn(48, 64))
+    whole = rounding.dequantized()[rows]
+    assert torch.equal(rounding.dequantized_rows(rows).view(torch.int32), whole.view(torch.int32))
+
+
+def test_the_fold_reads_a_rounded_weight_by_rows_never_whole(tmp_path, monkeypatch) -> None:
+    converted, x = _converted_w4()
+    reference = co.export_onnx(converted, (x,), tmp_path / "a.onnx").read_bytes()
+    whole: list[int] = []
+    original = WeightRoundingBase.dequantized
+
+    def counting(self):  # noqa: ANN001, ANN202
+        whole.append(1)
+        return original(self)
+
+    monkeypatch.setattr(WeightRoundingBase, "dequantized", counting)
+    assert co.export_onnx(converted, (x,), tmp_path / "b.onnx").read_bytes() == reference
+    assert whole == [1]  # only the small third weight (below the prequantize size) was read whole, for the trace
+
+
 def test_in_place_inverse_hessian_factor_is_the_reference_bit_for_bit() -> None:
     torch.manual_seed(2)
     x = torch.randn(300, 96)

@@ -27,6 +27,7 @@ The two export routes:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnx
@@ -51,13 +52,14 @@ DEFERRED_LOCATION = "coreai_opt-deferred-float-weight"
 _STANDARD = ("", "ai.onnx")
 
 
-def quantize_rows(node: onnx.NodeProto, weight: np.ndarray, scale: np.ndarray,
+def quantize_rows(node: onnx.NodeProto, weight: np.ndarray | RowSlices, scale: np.ndarray,
                   zero_point: np.ndarray | None) -> np.ndarray | None:
     """``QuantizeLinear`` ``node`` of ``weight``, evaluated on row chunks of about :data:`CHUNK_BYTES`.
 
     Args:
         node: The ``QuantizeLinear`` (its attributes: axis, block size, output type, saturation).
-        weight: The float weight (rank >= 1; not modified).
+        weight: The float weight (rank >= 1; not modified), or a reader of its rows (a rounded weight, whose
+            whole float value is never held: :class:`coreai_opt.onnx.export.rounded_weights.RoundedWeightTensor`).
         scale: Its scale, as the node reads it.
         zero_point: Its zero point, None when the node has none.
 
@@ -79,6 +81,23 @@ def quantize_rows(node: onnx.NodeProto, weight: np.ndarray, scale: np.ndarray,
             out = np.empty(weight.shape, dtype=chunk.dtype)
         out[rows] = chunk
     return out
+
+
+@runtime_checkable
+class ReadsRows(Protocol):
+    """An ``onnx_ir`` tensor whose value can also be read a slice of rows (axis 0) at a time."""
+
+    def row_slices(self) -> RowSlices:
+        """The value as an array-like that :func:`quantize_rows` slices by rows."""
+
+
+class RowSlices(Protocol):
+    """What :func:`quantize_rows` reads: ``shape``, ``ndim`` and ``[rows]`` (a numpy array is one)."""
+
+    shape: tuple[int, ...]
+    ndim: int
+
+    def __getitem__(self, rows: slice) -> np.ndarray: ...
 
 
 def _refuses(node: onnx.NodeProto, shape: tuple[int, ...], scale: np.ndarray, zero_point: np.ndarray | None) -> bool:
@@ -200,7 +219,8 @@ def _quantizer(node: onnx.NodeProto, tensor: ir.TensorProtocol, scale: np.ndarra
     """``quantize_rows`` of ``tensor``'s value, read when called (an ``onnx_ir`` tensor over the model's memory)."""
 
     def compute() -> np.ndarray:
-        quantized = quantize_rows(node, tensor.numpy(), scale, zero_point)
+        weight = tensor.row_slices() if isinstance(tensor, ReadsRows) else tensor.numpy()
+        quantized = quantize_rows(node, weight, scale, zero_point)
         if quantized is None:  # _refuses said it would not
             raise CoreaiOptRuntimeError(f"internal error: quantizing {tensor.name} was refused after a probe "
                                         "accepted it; please report it")

@@ -10,9 +10,10 @@ linear weights of a GPTQ model, for the whole export). So, for the trace only (:
   and the exporter's optimizer may read small initializers);
 * a larger one gets an uninitialised ``torch.empty`` placeholder of its shape (untouched pages: no resident
   memory); the trace reads only its shape. Right after the trace :func:`bind_rounded_weights` replaces each
-  initializer backed by a placeholder with an ``onnx_ir.LazyTensor`` that computes the exact value when read:
-  :func:`~coreai_opt.onnx.export.prequantize_weights.defer_large_weights` reads it once, quantizes it in chunks (back to
-  ``q``) and drops it. Every placeholder must be found, or the export stops (no uninitialised memory is written).
+  initializer backed by a placeholder with a :class:`RoundedWeightTensor`, which computes the exact value when read,
+  a slice of rows at a time: the fold (:mod:`~coreai_opt.onnx.export.prequantize_weights`) quantizes it back to
+  ``q`` by rows, so no rounded weight's float value exists whole. Every placeholder must be found, or the export
+  stops (no uninitialised memory is written).
 
 The values, graph and file are those of the materialised buffers (byte-identical).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import onnx_ir as ir
 import torch
 from torch import nn
@@ -30,7 +32,7 @@ from coreai_opt.errors import CoreaiOptRuntimeError
 from coreai_opt.onnx.export import prequantize_weights
 from coreai_opt.quantization.rounding.weight_rounding import WeightRoundingBase
 
-__all__ = ["bind_rounded_weights", "rounded_weight_buffers"]
+__all__ = ["RoundedWeightTensor", "bind_rounded_weights", "rounded_weight_buffers"]
 
 #: data pointer of a placeholder -> the rounding algorithm whose value it stands for.
 Placeholders = dict[int, WeightRoundingBase]
@@ -64,9 +66,33 @@ def rounded_weight_buffers(model: nn.Module, lazy: bool) -> Iterator[Placeholder
             rounding.export_weight = None
 
 
-def _lazy_value(rounding: WeightRoundingBase, tensor: ir.TensorProtocol) -> ir.LazyTensor:
-    return ir.LazyTensor(lambda: ir.Tensor(rounding.dequantized().numpy()), dtype=tensor.dtype, shape=tensor.shape,
-                         name=tensor.name)
+class _DequantizedRows:
+    """A rounded weight's exact dequantized value, read a slice of rows at a time (``RowSlices``)."""
+
+    def __init__(self, rounding: WeightRoundingBase) -> None:
+        self.rounding = rounding
+        self.shape = tuple(rounding.qweight.shape)
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return self.rounding.dequantized_rows(rows).numpy()
+
+
+class RoundedWeightTensor(ir.LazyTensor):
+    """The exact ``(q − z)·s`` of a rounded weight, computed when read: whole, or by rows (:meth:`row_slices`).
+
+    The fold quantizes it back to ``q`` by rows (:func:`~coreai_opt.onnx.export.prequantize_weights.quantize_rows`),
+    so a weight's float copy never exists whole (a 32000 x 2048 head: 262 MB).
+    """
+
+    def __init__(self, rounding: WeightRoundingBase, like: ir.TensorProtocol) -> None:
+        super().__init__(lambda: ir.Tensor(rounding.dequantized().numpy()), dtype=like.dtype, shape=like.shape,
+                         name=like.name)
+        self._rounding = rounding
+
+    def row_slices(self) -> _DequantizedRows:
+        """The value, read a slice of rows at a time."""
+        return _DequantizedRows(self._rounding)
 
 
 def bind_rounded_weights(model: ir.Model, placeholders: Placeholders) -> None:
@@ -80,7 +106,7 @@ def bind_rounded_weights(model: ir.Model, placeholders: Placeholders) -> None:
     for value in model.graph.initializers.values():
         raw = getattr(value.const_value, "raw", None)
         if isinstance(raw, torch.Tensor) and raw.numel() and raw.data_ptr() in placeholders:
-            value.const_value = _lazy_value(placeholders[raw.data_ptr()], value.const_value)
+            value.const_value = RoundedWeightTensor(placeholders[raw.data_ptr()], value.const_value)
             found.add(raw.data_ptr())
     missing = [rounding.name for pointer, rounding in placeholders.items() if pointer not in found]
     if missing:

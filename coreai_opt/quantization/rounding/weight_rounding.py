@@ -33,6 +33,7 @@ and decorate with ``@WEIGHT_ROUNDING.register("key")``.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
@@ -191,6 +192,26 @@ class WeightRoundingBase(RegistryFamily, nn.Module):
             rows = slice(start, start + step)
             torch.mul(q_rows[rows].float() - zero[rows], scale[rows], out=out_rows[rows])
         return out
+
+    def dequantized_rows(self, rows: slice) -> Tensor:
+        """Rows ``rows`` (along axis 0) of :meth:`dequantized`, the same values, computed from those rows alone.
+
+        When the qparam rows view is not a view of the weight, or does not split at those rows (per tensor), the
+        whole weight is dequantized and sliced.
+        """
+        granularity, shape = self.spec.granularity, tuple(self.qweight.shape)
+        start, stop, _ = rows.indices(shape[0])
+        q_rows = granularity.to_rows(self.qweight)
+        row_length = math.prod(shape[1:])
+        columns = q_rows.shape[1] if q_rows.dim() == 2 else 0
+        aligned = (columns > 0 and q_rows._is_view() and q_rows.data_ptr() == self.qweight.data_ptr()
+                   and q_rows.is_contiguous() and (start * row_length) % columns == 0
+                   and (stop * row_length) % columns == 0)
+        if not aligned:
+            return self.dequantized()[start:stop]
+        first, last = start * row_length // columns, stop * row_length // columns
+        scale, zero = self.scale.reshape(-1, 1)[first:last], self.zero_point.float().reshape(-1, 1)[first:last]
+        return ((q_rows[first:last].float() - zero) * scale).reshape(stop - start, *shape[1:])
 
     def weight_for(self, weight: Tensor, export_mode: bool) -> Tensor:
         """The tensor the quantizer rounds in place of ``weight``: its exact dequantized result.
