@@ -72,7 +72,7 @@ def test_the_torchscript_route_chunks_too_and_writes_the_same_bytes(preset, tmp_
 def test_no_float_copy_of_a_large_weight_reaches_the_protobuf(monkeypatch):
     converted, x = _converted("w8a8")
     monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 4096)
-    proto, quantized = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
+    proto, quantized, _ = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
     assert list(quantized.values())[0].dtype == np.int8 and list(quantized.values())[0].shape == (64, 576)
     assert len(quantized) == 1  # 3.weight (64 x 576 floats) is the only weight of at least 4096 bytes
     large_float = [t.name for t in proto.graph.initializer
@@ -93,7 +93,7 @@ def test_the_deferred_integers_are_computed_when_the_fold_reads_them_not_before(
         return original(*args)
 
     monkeypatch.setattr(prequantize, "quantize_rows", counting)
-    _, quantized = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
+    _, quantized, _ = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
     assert isinstance(quantized, prequantize.DeferredValues) and len(quantized) == 1 and calls == []
     name = next(iter(quantized))
     first, again = quantized[name], quantized[name]
@@ -111,7 +111,7 @@ def test_a_layer_wider_than_the_exporters_fold_limit_is_chunked_and_matches(tmp_
     co.calibrate(prepared, [x], progress=False)
     converted = co.convert(prepared)
     monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 0)
-    _, quantized = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
+    _, quantized, _ = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
     assert sorted(v.shape for v in quantized.values()) == [(4, 8200), (8200, 16)]  # its zero point is a Cast
     whole, chunked = _export_both_ways(converted, x, tmp_path, monkeypatch)
     assert chunked == whole
@@ -170,9 +170,9 @@ def test_the_fold_uses_up_every_precomputed_weight_and_stores_each_once(preset, 
 
     converted, x = _converted(preset)
     monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 4096)
-    proto, quantized = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
+    proto, quantized, detached = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
     assert len(quantized) == 1
-    report = rewrite.apply(proto, rewrite.POST_PASSES, precomputed=quantized)
+    report = rewrite.apply(proto, rewrite.POST_PASSES, precomputed=quantized, detached=detached)
     assert quantized == {}  # freed during the rewrite, not held to its end
     stored = [t for t in proto.graph.initializer if t.name == "3.weight_quantized"]
     assert len(stored) == 1 and stored[0].data_type == onnx.TensorProto.INT8
@@ -181,3 +181,18 @@ def test_the_fold_uses_up_every_precomputed_weight_and_stores_each_once(preset, 
     assert report.counts["fold_quantized_weights"] >= 3
     assert not [n for n in proto.graph.node if n.op_type in ("Max", "Min", "Clip", "QuantizeLinear")
                 and n.input[0].startswith("3.weight")]
+
+
+def test_every_other_large_initializer_is_held_apart_as_its_exporters_own_bytes(tmp_path, monkeypatch):
+    converted, x = _converted("w4")  # per-block scales and zero points: 64 x 18 blocks of the 64 x 576 linear
+    monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 1024)
+    proto, _, detached = onnx_export._export_proto(converted, (x,), 21, [{0: "batch"}], ["x"], ["output"])
+    stubs = {t.name for t in proto.graph.initializer
+             if any(e.key == "location" and e.value == prequantize.DETACHED_LOCATION for e in t.external_data)}
+    assert stubs and stubs == set(detached)  # each stub's tensor is held apart, nothing else is
+    assert all(len(t.raw_data) < 1024 for t in proto.graph.initializer)  # no large tensor in the protobuf
+    assert all(t.ByteSize() >= 1024 and t.name == name for name, t in detached.items())
+    monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 1 << 62)  # nothing held apart: the same file
+    whole = co.export_onnx(converted, (x,), tmp_path / "whole.onnx").read_bytes()
+    monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 1024)
+    assert co.export_onnx(converted, (x,), tmp_path / "apart.onnx").read_bytes() == whole

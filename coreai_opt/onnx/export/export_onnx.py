@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,7 @@ from coreai_opt.onnx.export.opset import preferred_opset, select_opset
 from coreai_opt.onnx.export.prequantize_weights import (
     check_no_deferred_weights,
     defer_large_weights,
+    detach_large_initializers,
     prequantize_initializers,
 )
 from coreai_opt.onnx.export.rounded_weights import bind_rounded_weights, rounded_weight_buffers
@@ -166,28 +167,33 @@ def strip_debug_metadata(model_proto: onnx.ModelProto) -> None:
         node.metadata_props.extend(kept)
 
 
+Exported = tuple[onnx.ModelProto, MutableMapping[str, np.ndarray], dict[str, onnx.TensorProto]]
+
+
 def _export_proto(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
     input_names: list[str], output_names: list[str],
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """The exported protobuf and its large weights, quantized in chunks.
+) -> Exported:
+    """The exported protobuf, its large weights quantized in chunks, and its other large initializers held apart.
 
-    On the dynamo route the float copies of those weights never reach the protobuf.
+    On the dynamo route the float copies of those weights never reach the protobuf, nor does any initializer of
+    at least ``PREQUANTIZE_MIN_BYTES`` (stubs stand for them: :func:`detach_large_initializers`).
     """
 
-    def dynamo() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    def dynamo() -> Exported:
         # one rounded weight in memory at a time; derived bias scales computed once; calibration state not lifted
         with (rounded_weight_buffers(model, lazy=True) as placeholders, bias_scales_frozen(model),
               calibration_state_hidden(model)):
             program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
             bind_rounded_weights(program.model, placeholders)
         quantized = defer_large_weights(program.model)
-        return program.model_proto, quantized
+        detached = detach_large_initializers(program.model)
+        return program.model_proto, quantized, detached
 
-    def torchscript() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    def torchscript() -> Exported:
         with rounded_weight_buffers(model, lazy=False), bias_scales_frozen(model), calibration_state_hidden(model):
             proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
-        return proto, prequantize_initializers(proto)
+        return proto, prequantize_initializers(proto), {}
 
     with third_party_noise.scoped():  # the exporter's known harmless warnings, for this call only
         return export_with_fallback(dynamo, torchscript)
@@ -340,12 +346,12 @@ def export_onnx(
     check_io_names(in_names, out_names)
 
     axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
-    model_proto, quantized = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
+    model_proto, quantized, detached = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
     check_axes_are_dynamic(model_proto, axes, requested_axes(in_names, dynamic_batch, dynamic_shapes))
-    detached: dict[str, onnx.TensorProto] = {}  # the large initializers the rewrite wrote, streamed by the save
+    # the large initializers, held apart: taken over by the rewrite, then those it ends with, streamed by the save
     report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized, detached=detached)
     del quantized
-    check_no_deferred_weights(model_proto)
+    check_no_deferred_weights(model_proto, detached)
     finish_matmul_nbits(model_proto, report)
     record_report(model_proto, report)
     strip_debug_metadata(model_proto)

@@ -115,15 +115,20 @@ def apply(model: onnx.ModelProto, rules: Sequence[Rule] = POST_PASSES,
         rules: The rules, default :data:`POST_PASSES`.
         precomputed: Constant values already computed outside the graph (see
             :class:`~coreai_opt.onnx.rewrite.graph.OnnxGraph`).
-        detached: When given, the large initializers the rules wrote are put here instead of into ``model``
-            (which keeps name-only stubs for them), for ``save_model_atomically(model, path, detached)`` to stream
-            them into the file: a replaced one was freed at once, and none is ever copied into the protobuf
-            (:mod:`coreai_opt.onnx.rewrite.initializers`). None: they are copied into ``model``.
+        detached: Large initializers held outside ``model`` (its entries of those names are stubs); the rewrite
+            takes them over (the dict is emptied) and, when the dict is given, puts the large initializers it ends
+            with here instead of into ``model`` (which keeps stubs for them), for ``save_model_atomically(model,
+            path, detached)`` to stream into the file: a replaced one was freed at once, and none is ever copied
+            into the protobuf (:mod:`coreai_opt.onnx.rewrite.initializers`). None: they are copied into ``model``.
 
     Returns:
         ``{rule name: sites rewritten}`` and the near misses (see :mod:`~coreai_opt.onnx.rewrite.rule`).
     """
-    graph = OnnxGraph(model, precomputed)
+    held = dict(detached) if detached else {}
+    if detached:
+        detached.clear()  # the graph owns them now: one it replaces is freed
+    graph = OnnxGraph(model, precomputed, held)
+    del held
     report = run_rules(rules, graph)
     released = graph.write_back(detached=detached is not None)
     if detached is not None:

@@ -51,12 +51,14 @@ class OnnxGraph:
         precomputed: Computed constants evaluated outside the graph (the large weights of
             :mod:`coreai_opt.onnx.export.prequantize_weights`, keyed by their ``QuantizeLinear`` output), which the
             constant folder takes instead of evaluating their nodes; used, not copied (a rule deletes what it stored).
+        detached: Large initializers held outside the protobuf from the start (owned by the graph from now on).
 
     Attributes:
         precomputed: The ``precomputed`` values not used up yet.
     """
 
-    def __init__(self, model: onnx.ModelProto, precomputed: MutableMapping[str, np.ndarray] | None = None) -> None:
+    def __init__(self, model: onnx.ModelProto, precomputed: MutableMapping[str, np.ndarray] | None = None,
+                 detached: dict[str, onnx.TensorProto] | None = None) -> None:
         self.proto = model.graph
         self.precomputed: MutableMapping[str, np.ndarray] = {} if precomputed is None else precomputed
         self._nodes: list[onnx.NodeProto] = list(self.proto.node)
@@ -65,7 +67,7 @@ class OnnxGraph:
         self.edits = 0
         self._taken_values: set[str] = set()
         self._taken_nodes: set[str] = set()
-        self._store = Initializers(self.proto)
+        self._store = Initializers(self.proto, detached)
         self._node_constants: dict[str, np.ndarray] = {}
         self._producer: dict[str, onnx.NodeProto] = {}
         self._readers: dict[str, list[onnx.NodeProto]] = {}

@@ -39,12 +39,14 @@ class Initializers:
 
     Args:
         graph: The graph whose ``initializer`` list is edited in place.
+        detached: Initializers already held outside ``graph`` (its entries of those names are stubs), taken over:
+            the store owns them from now on, so one it replaces or removes is freed.
     """
 
-    def __init__(self, graph: onnx.GraphProto) -> None:
+    def __init__(self, graph: onnx.GraphProto, detached: dict[str, onnx.TensorProto] | None = None) -> None:
         self._graph = graph
-        self._tensors: dict[str, onnx.TensorProto] = {t.name: t for t in graph.initializer}
-        self._detached: dict[str, onnx.TensorProto] = {}
+        self._detached: dict[str, onnx.TensorProto] = {} if detached is None else detached
+        self._tensors = {t.name: self._detached.get(t.name, t) for t in graph.initializer}
         self._arrays: dict[str, np.ndarray] = {}
 
     def __contains__(self, name: object) -> bool:

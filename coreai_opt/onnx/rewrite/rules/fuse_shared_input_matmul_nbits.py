@@ -26,6 +26,7 @@ from onnx import helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
 from coreai_opt.onnx.rewrite.matmul_nbits_weight import INT8_EMULATED_SUFFIX
+from coreai_opt.onnx.rewrite.prune import prune_unread
 from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN, Fail, Match, Rule
 from coreai_opt.quantization.matmul_nbits.packing import midpoint_zero_points
 
@@ -104,4 +105,4 @@ class FuseSharedInputMatMulNBits(Rule):
         for member in match.members[1:]:
             graph.remove(member)
         graph.replace(first, nodes)
-        graph.remove_unread([name for member in match.members for name in member.input[1:]])  # freed now
+        prune_unread(graph, [name for member in match.members for name in member.input[1:]])  # freed now

@@ -28,6 +28,7 @@ from onnx import helper, numpy_helper
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph, attributes_of
 from coreai_opt.onnx.rewrite.matmul_nbits_weight import WeightDQ, matmul_nbits_node, pack_weight
+from coreai_opt.onnx.rewrite.prune import prune_unread
 from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport
 from coreai_opt.onnx.rewrite.rule import CONTRIB_DOMAIN, Fail, Match, Rule, import_domains, run_rules
 from coreai_opt.quantization.matmul_nbits.int8_compute_op import INT8_COMPUTE_DOMAIN, INT8_COMPUTE_MARKER
@@ -132,6 +133,7 @@ class WriteMatMulNBits(Rule):
         if match.bias:
             nodes.append(helper.make_node("Add", [output, match.bias], list(node.output), name=f"{stem}_bias"))
         graph.replace(node, nodes)
+        prune_unread(graph, node.input)  # the replaced weight's DQ chain and integers, freed now
 
 
 def finish_matmul_nbits(model: onnx.ModelProto, report: RewriteReport) -> None:
