@@ -112,3 +112,44 @@ def test_a_mean_of_a_3d_tensor_is_no_candidate_and_one_of_unknown_rank_a_near_mi
     assert apply_rule(model, RULE) == (0, [])  # a sequence mean: not a spatial pool, nothing to report
     del model.graph.value_info[:]
     assert apply_rule(model, RULE) == (0, ["input rank is unknown (no shape recorded for it)"])
+
+
+class _WholeMapPool(nn.Module):
+    """Hugging Face EfficientNet's pooler: ``AvgPool2d(1280, ceil_mode=True)``, a window larger than the map."""
+
+    def __init__(self, kernel: int, cells: int = 1) -> None:
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(3, 16, 3), nn.AvgPool2d(kernel, ceil_mode=True)
+        self.head = nn.Linear(16 * cells, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.pool(torch.relu(self.conv(x))), 1))
+
+
+def test_an_average_pool_over_the_whole_map_runs_as_an_integer_global_pool_equal_to_eager(tmp_path: Path) -> None:
+    # before: QLinearAveragePool divided by more than the 7 x 7 values inside the map: codes 133 steps low on
+    # average (max 232), every one of them wrong, and verify_onnx failed (rule steps)
+    torch.manual_seed(0)
+    model = _WholeMapPool(1280).eval()
+    batches = [torch.randn(2, 3, 9, 9) for _ in range(3)]
+    prepared = coreai_opt.prepare(model, QuantizerConfig.presets.w8a8(), (batches[0],))
+    coreai_opt.calibrate(prepared, batches, progress=False)
+    converted = coreai_opt.convert(prepared)
+    path = export_onnx(converted, (batches[0],), tmp_path / "m.onnx")
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "GlobalAveragePool" in ops and "AveragePool" not in ops
+    report = verify_onnx(converted, path, [(b,) for b in batches])
+    assert report.ok, str(report)
+    pooled = next(q for q in report.quantizers if q.module == "pool")
+    assert pooled.identical == 1.0 and pooled.max_abs == 0.0  # QLinearGlobalAveragePool: the eager codes exactly
+
+
+def test_an_average_pool_over_part_of_the_map_stays_an_average_pool(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _WholeMapPool(4, cells=4).eval()  # 7 x 7 map -> 2 x 2 windows
+    x = torch.randn(2, 3, 9, 9)
+    prepared = coreai_opt.prepare(model, QuantizerConfig.presets.w8a8(), (x,))
+    coreai_opt.calibrate(prepared, [x], progress=False)
+    path = export_onnx(coreai_opt.convert(prepared), (x,), tmp_path / "m.onnx")
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "AveragePool" in ops and "GlobalAveragePool" not in ops
