@@ -66,6 +66,36 @@ def test_torchscript_route_runs_warns_and_matches_the_dynamo_file(preset, tmp_pa
     assert kernels[1] == kernels[0] >= (2 if preset == "w8a8" else 0)
 
 
+class _BatchReadAsANumber(nn.Module):
+    """Builds a tensor from the batch size: ``torch.export`` keeps it symbolic (a ``sym_size`` node), the TorchScript
+    tracer receives it as a Python int and records a constant (hf XLNet's relative attention, batch 2 baked in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + torch.ones(x.shape[0], 4)
+
+
+def test_a_torchscript_file_that_cannot_run_at_another_batch_is_an_error_not_a_file_that_claims_it(tmp_path,
+                                                                                                     monkeypatch):
+    # before: the file declared input dimension 0 as "batch" and failed in onnxruntime at any batch but 4
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    prepared = co.prepare(_BatchReadAsANumber().eval(), co.QuantizerConfig.presets.w8a8(), (x,), capture="export")
+    co.calibrate(prepared, [x], progress=False)
+    converted = co.convert(prepared)
+    monkeypatch.setattr(onnx_export, "_dynamo_export", _fail_like_torch)
+    with pytest.warns(UserWarning, match="TorchScript exporter"), \
+            pytest.raises(ValueError, match=r"dimension 0 \('batch'\) of input 'x' was exported as the constant 4.*"
+                                            r"dynamic_batch=False"):
+        co.export_onnx(converted, (x,), tmp_path / "m.onnx")
+    with pytest.warns(UserWarning, match="TorchScript exporter"):
+        path = co.export_onnx(converted, (x,), tmp_path / "m.onnx", dynamic_batch=False)
+    assert co.verify_onnx(converted, path, [x]).ok
+
+
 def test_when_every_route_fails_the_error_names_op_line_and_both_routes(tmp_path, monkeypatch):
     converted, x = _converted(co.QuantizerConfig.presets.w4())
     monkeypatch.setattr(onnx_export, "_dynamo_export", _fail_like_torch)

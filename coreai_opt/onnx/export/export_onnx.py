@@ -48,6 +48,7 @@ from coreai_opt.error_boundary import public_api
 from coreai_opt.graph.graph_meta import get_graph_meta, output_leaves
 from coreai_opt.graph.node_meta import Role, get_meta
 from coreai_opt.onnx import rewrite
+from coreai_opt.onnx.export.axes_probe import axes_baked_in
 from coreai_opt.onnx.export.dynamic_axes import (
     BATCH,
     DynamicShapes,
@@ -193,6 +194,10 @@ def _export_proto(
     def torchscript() -> Exported:
         with rounded_weight_buffers(model, lazy=False), bias_scales_frozen(model), calibration_state_hidden(model):
             proto = torchscript_export(model, inputs, opset, axes, input_names, output_names)
+            baked = axes_baked_in(proto, inputs, axes, input_names)  # that exporter records sizes as constants
+            if baked:  # export them at their example size: check_axes_are_dynamic then reports them
+                fixed = [{d: name for d, name in spec.items() if name not in baked} for spec in axes]
+                proto = torchscript_export(model, inputs, opset, fixed, input_names, output_names)
         return proto, prequantize_initializers(proto), {}
 
     with third_party_noise.scoped():  # the exporter's known harmless warnings, for this call only
