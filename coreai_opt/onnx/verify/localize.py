@@ -24,8 +24,7 @@ resnet18 8 ``QLinearConv`` → 0), so a divergence found there was measured on a
 outputs (weight-only files) are float tensors and do change fusions (``MatMul + Add`` no longer fuse).
 
 Each boundary is judged against its derived bound (:func:`coreai_opt.onnx.verify.tolerance.tensor_bounds`); the first
-that
-exceeds it is the divergence, with the kernels onnxruntime ran between it and the boundaries before it and a
+that exceeds it is the divergence, with the kernels onnxruntime ran between it and the boundaries before it and a
 classified reason.
 """
 
@@ -379,11 +378,10 @@ def localize_divergence(model: nn.Module, path: str | Path, inputs: torch.Tensor
     tensors = {b.tensor for b in boundaries}
     for b, got in zip(boundaries, values, strict=True):
         ref = eager[b.tensor]
-        if tuple(ref.shape) != got.shape:
-            continue  # not the same tensor (an op the exporter rewrote): skip rather than guess
+        # not the same tensor (an op the exporter rewrote), or no optimized node computes it (a folded constant)
+        if tuple(ref.shape) != got.shape or (kind == "quantizer" and b.tensor not in bounds):
+            continue
         if kind == "quantizer":
-            if b.tensor not in bounds:  # no node of the optimized graph computes it (folded to a constant there)
-                continue
             difference, allowed = _steps_apart(b, ref, got), float(bounds[b.tensor].steps)
         else:
             span = float(ref.max() - ref.min()) if ref.numel() else 0.0
