@@ -104,6 +104,7 @@ from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerRef
 from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
 from coreai_opt.onnx.verify.missing_calls import input_key, missing_calls, traced_calls, untraced_scales
 from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
+from coreai_opt.onnx.verify.reading_order import reading_order
 from coreai_opt.onnx.verify.tolerance import product_fan_out, product_step_gain, tensor_bounds
 
 __all__ = ["QuantizerCodes", "compare_quantizer_codes", "integer_kernel_of", "MISMATCH_EXACT", "MISMATCH_INTEGER",
@@ -374,14 +375,13 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         names = [i.name for i in session.get_inputs()]
         values = session.run(tensors, codes.feed(names, batch))
         del session
-    bounds = tensor_bounds(optimized)
-    boundary_tensors = set(tensors)
+    bounds, boundary_tensors = tensor_bounds(optimized), set(tensors)
+    # per quantizer: differing fraction (rule 3), differing codes, largest difference (rule 2)
     mismatch: dict[str, float] = {}
-    differing: dict[str, float] = {}  # differing codes (rule 3) and largest difference (rule 2) per quantizer
-    steps: dict[str, float] = {}
-    results = []
-    for b, got in zip(boundaries, values, strict=True):
-        kernels, feeding, gain, fan_out = _feeding(graph, b.tensor, boundary_tensors - {b.tensor})
+    differing, steps, judged = dict(mismatch), dict(mismatch), {}
+    feeds = [_feeding(graph, b.tensor, boundary_tensors - {b.tensor}) for b in boundaries]
+    for i in reading_order(tensors, {b.tensor: feed[1] for b, feed in zip(boundaries, feeds, strict=True)}):
+        (b, got), (kernels, feeding, gain, fan_out) = (boundaries[i], values[i]), feeds[i]
         bound = bounds.get(b.tensor)
         # behind an int8-compute MatMulNBits the path bound counts that layer's own int8 steps, not this quantizer's
         derived = bound is not None and bound.int8_layer is None and not bound.int8_codes
@@ -395,6 +395,5 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
                        sum(differing.get(t, 0.0) for t in feeding) * (fan_out or 0))
         if codes is not None:
             mismatch[b.tensor], differing[b.tensor] = 1.0 - codes.identical, round(codes.count * (1 - codes.identical))
-            steps[b.tensor] = codes.max_abs
-            results.append(codes)
-    return _with_missing(results, missing)
+            steps[b.tensor], judged[i] = codes.max_abs, codes
+    return _with_missing([judged[i] for i in sorted(judged)], missing)
