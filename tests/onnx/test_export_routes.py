@@ -194,3 +194,14 @@ def test_a_custom_op_without_onnx_function_is_an_error_of_ours_naming_its_librar
     assert "return torch.ops.coreai_opt_test.scaled_sum(self.proj(x), self.head)) to ONNX: it is a custom op of " \
            "'coreai_opt_test', which torch's exporter cannot look inside and has no ONNX function for." in message
     assert "Fix: choose coreai_opt_test's plain-PyTorch implementation" in message
+
+
+def test_a_torchscript_file_too_large_to_probe_warns_that_its_axes_were_not_run(monkeypatch):
+    from coreai_opt.onnx.export import axes_probe
+
+    converted, x = _converted(co.QuantizerConfig.presets.w8a8())
+    model = onnx_export.torchscript_export(converted, (x,), 18, [{0: "batch"}], ["input"], ["output"])
+    assert axes_probe.axes_baked_in(model, (x,), [{0: "batch"}], ["input"]) == []  # runs at batch 5: symbolic
+    monkeypatch.setattr(axes_probe, "_PROBE_MAX_BYTES", 10)
+    with pytest.warns(UserWarning, match=r"too large .* to run once per symbolic axis \(batch\)"):
+        assert axes_probe.axes_baked_in(model, (x,), [{0: "batch"}], ["input"]) == []

@@ -17,6 +17,7 @@ asked for, a warning for the default batch axis).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,9 @@ import onnx
 import torch
 
 __all__ = ["axes_baked_in"]
+
+#: Largest model probed (serialised for onnxruntime in memory; protobuf's limit is 2 GiB).
+_PROBE_MAX_BYTES = 1_900_000_000
 
 
 def _grown(tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -48,6 +52,11 @@ def axes_baked_in(model: onnx.ModelProto, inputs: Sequence[torch.Tensor], axes: 
 
     names = sorted({name for spec in axes for name in spec.values()})
     if not names:
+        return []
+    if model.ByteSize() > _PROBE_MAX_BYTES:  # onnxruntime reads a model from bytes only below protobuf's 2 GiB
+        warnings.warn(f"the TorchScript exporter wrote this model, which may record sizes as constants, and it is "
+                      f"too large ({model.ByteSize() / 1e9:.1f} GB) to run once per symbolic axis ({', '.join(names)})"
+                      " to check them: run the file at the sizes you use (verify_onnx)", stacklevel=3)
         return []
     options = ort.SessionOptions()
     options.log_severity_level = 4
