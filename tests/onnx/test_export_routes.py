@@ -15,7 +15,7 @@ from torch.onnx._internal.exporter._errors import ConversionError
 
 import coreai_opt as co
 import coreai_opt.onnx.export.export_onnx as onnx_export
-from coreai_opt.onnx.export.export_routes import ExportRouteError, failure_site
+from coreai_opt.onnx.export.export_routes import ExportRouteError, UntranslatableOpError, failure_site
 
 _T5_FAILURE = (
     "Failed to decompose the FX graph for ONNX compatibility. This is step 2/3 of exporting the model to ONNX.\n"
@@ -205,3 +205,30 @@ def test_a_torchscript_file_too_large_to_probe_warns_that_its_axes_were_not_run(
     monkeypatch.setattr(axes_probe, "_PROBE_MAX_BYTES", 10)
     with pytest.warns(UserWarning, match=r"too large .* to run once per symbolic axis \(batch\)"):
         assert axes_probe.axes_baked_in(model, (x,), [{0: "batch"}], ["input"]) == []
+
+
+class _SizeAsNumber(nn.Module):
+    """timm mvitv2's relative positions in miniature: a spatial size the capture keeps symbolic, used as a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        positions = torch.arange(y.shape[-1])[:, None] * max(y.shape[-1] / 4, 1.0)
+        return y + positions.to(y.dtype).sum()
+
+
+def test_a_symbolic_size_used_as_a_number_exports_with_the_unrequested_axes_fixed(tmp_path):
+    # before: UntranslatableOpError on aten.mul.Scalar ("float() argument must be ... not 'SymbolicTensor'") while
+    # torch's own float export of the model (static shapes) succeeded
+    x = torch.randn(2, 3, 8, 8)
+    prepared = co.prepare(_SizeAsNumber().eval(), co.QuantizerConfig.presets.w8a8(), (x,), capture="export")
+    co.calibrate(prepared, [x, torch.randn(2, 3, 8, 8)], progress=False)
+    converted = co.convert(prepared)
+    with pytest.warns(UserWarning, match=r"dimension 3 \('width'\) of input 'x' is fixed at 8"):
+        path = co.export_onnx(converted, (x,), tmp_path / "m.onnx")
+    assert co.verify_onnx(converted, path, [torch.randn(5, 3, 8, 8)]).ok  # the batch stays dynamic
+    with pytest.raises(UntranslatableOpError, match="aten.mul.Scalar"):  # asked for: the error stands
+        co.export_onnx(converted, (x,), tmp_path / "w.onnx", dynamic_shapes={"x": {0: "batch", 3: "width"}})

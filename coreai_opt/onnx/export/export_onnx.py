@@ -57,7 +57,7 @@ from coreai_opt.onnx.export.dynamic_axes import (
     requested_axes,
     torch_dynamic_shapes,
 )
-from coreai_opt.onnx.export.export_routes import export_with_fallback, torchscript_export
+from coreai_opt.onnx.export.export_routes import UntranslatableOpError, export_with_fallback, torchscript_export
 from coreai_opt.onnx.export.frozen_bias_scales import bias_scales_frozen
 from coreai_opt.onnx.export.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.export.kv_cache import task_io, warn_per_tensor_dynamic
@@ -351,8 +351,17 @@ def export_onnx(
     check_io_names(in_names, out_names)
 
     axes = input_axes(model, inputs, in_names, dynamic_batch, dynamic_shapes)
-    model_proto, quantized, detached = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
-    check_axes_are_dynamic(model_proto, axes, requested_axes(in_names, dynamic_batch, dynamic_shapes))
+    requested = requested_axes(in_names, dynamic_batch, dynamic_shapes)
+    try:
+        model_proto, quantized, detached = _export_proto(model, inputs, chosen_opset, axes, in_names, out_names)
+    except UntranslatableOpError as exc:
+        # a size the capture kept symbolic used as a number (timm mvitv2's relative positions: `arange(w) * (w / q)`)
+        # has no ONNX translation; the axes nobody asked for are exported at their example size instead
+        asked = [{d: name for d, name in spec.items() if d in dims} for spec, dims in zip(axes, requested, strict=True)]
+        if "SymbolicTensor" not in str(exc) or asked == axes:
+            raise
+        model_proto, quantized, detached = _export_proto(model, inputs, chosen_opset, asked, in_names, out_names)
+    check_axes_are_dynamic(model_proto, axes, requested)
     # the large initializers, held apart: taken over by the rewrite, then those it ends with, streamed by the save
     report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized, detached=detached)
     del quantized
