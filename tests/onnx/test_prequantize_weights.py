@@ -47,14 +47,8 @@ def test_chunked_weights_give_the_whole_fold_file_byte_for_byte(preset, tmp_path
     assert not [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0].endswith("weight")]
 
 
-def _fail_like_torch(*args: object) -> object:
-    raise ConversionError("Failed to decompose the FX graph for ONNX compatibility.") from ValueError("Cannot view")
-
-
-@pytest.mark.parametrize("preset", ["w8a8", "w8a8_sym"])
-def test_the_torchscript_route_chunks_too_and_writes_the_same_bytes(preset, tmp_path, monkeypatch):
-    converted, x = _converted(preset)
-    monkeypatch.setattr(onnx_export, "_dynamo_export", _fail_like_torch)
+def _count_quantize_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets one entry per ``quantize_rows`` call from now on."""
     calls: list[int] = []
     original = prequantize.quantize_rows
 
@@ -63,6 +57,18 @@ def test_the_torchscript_route_chunks_too_and_writes_the_same_bytes(preset, tmp_
         return original(*args)
 
     monkeypatch.setattr(prequantize, "quantize_rows", counting)
+    return calls
+
+
+def _fail_like_torch(*args: object) -> object:
+    raise ConversionError("Failed to decompose the FX graph for ONNX compatibility.") from ValueError("Cannot view")
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w8a8_sym"])
+def test_the_torchscript_route_chunks_too_and_writes_the_same_bytes(preset, tmp_path, monkeypatch):
+    converted, x = _converted(preset)
+    monkeypatch.setattr(onnx_export, "_dynamo_export", _fail_like_torch)
+    calls = _count_quantize_rows(monkeypatch)
     with pytest.warns(UserWarning, match="TorchScript exporter"):
         whole, chunked = _export_both_ways(converted, x, tmp_path, monkeypatch)
     assert chunked == whole
@@ -85,14 +91,7 @@ def test_no_float_copy_of_a_large_weight_reaches_the_protobuf(monkeypatch):
 def test_the_deferred_integers_are_computed_when_the_fold_reads_them_not_before(monkeypatch):
     converted, x = _converted("w8a8")
     monkeypatch.setattr(prequantize, "PREQUANTIZE_MIN_BYTES", 4096)
-    calls: list[int] = []
-    original = prequantize.quantize_rows
-
-    def counting(*args: object) -> object:
-        calls.append(1)
-        return original(*args)
-
-    monkeypatch.setattr(prequantize, "quantize_rows", counting)
+    calls = _count_quantize_rows(monkeypatch)
     _, quantized, _ = onnx_export._export_proto(converted, (x,), 18, [{0: "batch"}], ["x"], ["output"])
     assert isinstance(quantized, prequantize.DeferredValues) and len(quantized) == 1 and calls == []
     name = next(iter(quantized))

@@ -63,7 +63,7 @@ def axes_baked_in(model: onnx.ModelProto, inputs: Sequence[torch.Tensor], axes: 
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     baked = []
     for name in names:
-        grown = [tensor for tensor in inputs]
+        grown = list(inputs)
         for index, spec in enumerate(axes):
             for dim, axis in spec.items():
                 if axis == name:

@@ -71,19 +71,26 @@ def quantize_rows(node: onnx.NodeProto, weight: np.ndarray | RowSlices, scale: n
         (the fold then refuses it too and says why).
     """
     axis, block_size = axis_and_block(node)
-    axis %= weight.ndim
     out: np.ndarray | None = None
-    for rows in row_ranges(weight.shape, axis, block_size, CHUNK_BYTES):
-        inputs = [weight[rows], qparam_rows(scale, axis, block_size, rows)]
-        if zero_point is not None:
-            inputs.append(qparam_rows(zero_point, axis, block_size, rows))
-        chunk = evaluate_node(node, inputs)
+    for rows in row_ranges(weight.shape, axis % weight.ndim, block_size, CHUNK_BYTES):
+        chunk = _evaluate_rows(node, weight, scale, zero_point, rows)
         if not isinstance(chunk, np.ndarray):
             return None
         if out is None:
             out = np.empty(weight.shape, dtype=chunk.dtype)
         out[rows] = chunk
     return out
+
+
+def _evaluate_rows(node: onnx.NodeProto, weight: np.ndarray | RowSlices, scale: np.ndarray,
+                   zero_point: np.ndarray | None, rows: slice) -> np.ndarray | str | None:
+    """``QuantizeLinear`` ``node`` on ``rows`` of ``weight``, its qparams sliced to the same rows."""
+    axis, block_size = axis_and_block(node)
+    axis %= weight.ndim
+    inputs = [weight[rows], qparam_rows(scale, axis, block_size, rows)]
+    if zero_point is not None:
+        inputs.append(qparam_rows(zero_point, axis, block_size, rows))
+    return evaluate_node(node, inputs)
 
 
 @runtime_checkable
@@ -109,12 +116,9 @@ def _refuses(node: onnx.NodeProto, shape: tuple[int, ...], scale: np.ndarray, ze
     Refusals depend on the dtypes, attributes and zero point only, never on the weight's values.
     """
     axis, block_size = axis_and_block(node)
-    rows = next(iter(row_ranges(shape, axis % len(shape), block_size, CHUNK_BYTES)))
-    probe = np.zeros(shape, dtype=np.float32)[rows]  # untouched zero pages: only the chunk is ever written
-    inputs = [np.ascontiguousarray(probe), qparam_rows(scale, axis % len(shape), block_size, rows)]
-    if zero_point is not None:
-        inputs.append(qparam_rows(zero_point, axis % len(shape), block_size, rows))
-    return not isinstance(evaluate_node(node, inputs), np.ndarray)
+    rows = row_ranges(shape, axis % len(shape), block_size, CHUNK_BYTES)[0]
+    probe = np.zeros(shape, dtype=np.float32)  # untouched zero pages: only the first chunk is ever read
+    return not isinstance(_evaluate_rows(node, probe, scale, zero_point, rows), np.ndarray)
 
 
 class DeferredValues(MutableMapping[str, np.ndarray]):

@@ -31,6 +31,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.internal import api_implementation
 
 from coreai_opt.errors import CoreaiOptRuntimeError
+from coreai_opt.onnx.rewrite.initializers import attach_detached
 
 __all__ = ["streams", "write_model"]
 
@@ -104,9 +105,7 @@ def write_model(model: onnx.ModelProto, out: BinaryIO, detached: dict[str, onnx.
     """
     detached = {} if detached is None else detached
     if not streams(model):
-        for stub in model.graph.initializer:
-            if stub.name in detached:
-                stub.CopyFrom(detached.pop(stub.name))
+        attach_detached(model.graph, detached)
         data = model.SerializeToString(deterministic=True)
         out.write(data)
         return len(data)

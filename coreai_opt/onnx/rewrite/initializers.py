@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["CACHED_CONSTANT_BYTES", "DETACHED_BYTES", "Initializers"]
+__all__ = ["CACHED_CONSTANT_BYTES", "DETACHED_BYTES", "Initializers", "attach_detached"]
 
 #: Constants up to this many bytes are cached as numpy arrays; a weight is converted when read (llm_memory RESULTS).
 CACHED_CONSTANT_BYTES = 1 << 20
@@ -121,12 +121,8 @@ class Initializers:
 
     def attach(self) -> None:
         """Copy every detached tensor into its stub, in file order, freeing each as it goes."""
-        for stub in self._graph.initializer:
-            tensor = self._detached.pop(stub.name, None)
-            if tensor is not None:
-                stub.CopyFrom(tensor)
-                self._tensors[stub.name] = stub
-                del tensor
+        attach_detached(self._graph, self._detached)
+        self._tensors = {stub.name: stub for stub in self._graph.initializer}
 
     def release(self) -> dict[str, onnx.TensorProto]:
         """Hand the detached tensors to the caller (the graph keeps their stubs) and forget them."""
@@ -134,3 +130,15 @@ class Initializers:
         for name in released:
             self._tensors.pop(name, None)
         return released
+
+
+def attach_detached(graph: onnx.GraphProto, detached: dict[str, onnx.TensorProto]) -> None:
+    """Copy each of ``detached`` into ``graph``'s stub of the same name, in file order.
+
+    Each entry is consumed (and freed) as it is copied, so a tensor's two copies never coexist for long.
+    """
+    for stub in graph.initializer:
+        tensor = detached.pop(stub.name, None)
+        if tensor is not None:
+            stub.CopyFrom(tensor)
+            del tensor
