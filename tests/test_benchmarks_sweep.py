@@ -160,8 +160,9 @@ def test_failure_classes_separate_the_catalog_and_count_what_torch_cannot_export
 
 
 #: Sweep models of the default run: each under 15 s end to end on an idle core (a text encoder, a decoder whose
-#: classifier needs the pad token the catalog sets, an encoder-decoder pooling at its eos token, a CNN).
-DEFAULT_SWEEP_MODELS = ("hf-bert", "hf-llama", "hf-bart", "hf-resnet")
+#: classifier needs the pad token the catalog sets, an encoder-decoder pooling at its eos token, a CNN, a mixture of
+#: experts: transformers' grouped experts op and a router's tied topk).
+DEFAULT_SWEEP_MODELS = ("hf-bert", "hf-llama", "hf-bart", "hf-resnet", "hf-qwen3_moe")
 
 
 def _sweep_names() -> list[str]:

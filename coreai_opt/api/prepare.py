@@ -43,6 +43,7 @@ from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.int8_compute_inputs import int8_compute_inputs
+from coreai_opt.passes.order_ties import order_ties
 from coreai_opt.passes.quantize_kv_cache import quantize_kv_cache
 
 __all__ = ["prepare"]
@@ -130,6 +131,7 @@ def prepare(
                                         "before prepare")
     gm = decompose_attention(gm).graph_module
     gm = decompose_silu(gm, config.resolve).graph_module
+    gm = order_ties(gm).graph_module  # sort / topk ties in onnxruntime's order, so eager and the file agree
     gm = classify_ops(gm).graph_module
     op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
     gm = functionalize_weights(gm).graph_module

@@ -58,6 +58,7 @@ from coreai_opt.onnx.export.dynamic_axes import (
     torch_dynamic_shapes,
 )
 from coreai_opt.onnx.export.export_routes import UntranslatableOpError, export_with_fallback, torchscript_export
+from coreai_opt.onnx.export.extra_translations import extra_translation_table
 from coreai_opt.onnx.export.frozen_bias_scales import bias_scales_frozen
 from coreai_opt.onnx.export.input_validation import check_export_inputs, check_io_names
 from coreai_opt.onnx.export.kv_cache import task_io, warn_per_tensor_dynamic
@@ -217,6 +218,7 @@ def _dynamo_export(
             **quantize_dequantize_translation_table(opset),
             **dynamic_quantize_dequantize_translation_table(opset),
             **int8_compute_translation_table(),
+            **extra_translation_table(opset),
         },
         dynamic_shapes=torch_dynamic_shapes(axes),
         input_names=input_names,
