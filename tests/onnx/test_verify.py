@@ -192,8 +192,8 @@ def test_a_quantizer_whose_eager_output_holds_nan_fails_rule_nan_not_a_hidden_ov
     import onnx
     import torch
 
+    from coreai_opt.onnx.verify.code_rules import judge_codes as _judge
     from coreai_opt.onnx.verify.localize import Boundary
-    from coreai_opt.onnx.verify.quantizer_codes import _judge
 
     node = onnx.helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q0")
     scale, zero = np.array(0.1, dtype=np.float32), np.array(0, dtype=np.int8)

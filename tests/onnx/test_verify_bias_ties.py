@@ -10,7 +10,8 @@ import onnx
 import pytest
 import torch
 
-from coreai_opt.onnx.verify.quantizer_codes import BIAS_TIES, BIAS_Z, _judge
+from coreai_opt.onnx.verify.code_rules import BIAS_TIES, BIAS_Z
+from coreai_opt.onnx.verify.code_rules import judge_codes as _judge
 
 N = 1_204_224  # repvit_m1's token mixer output, batch 2
 

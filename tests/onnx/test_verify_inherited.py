@@ -19,7 +19,7 @@ from torch import nn
 import coreai_opt
 from benchmarks.verify.mutations import judge_defect
 from coreai_opt.onnx import export_onnx, verify_onnx
-from coreai_opt.onnx.verify.quantizer_codes import BIAS_Z
+from coreai_opt.onnx.verify.code_rules import BIAS_Z
 
 
 class _PaddedCrop(nn.Module):
@@ -59,6 +59,18 @@ def test_exact_copy_of_a_float_kernels_shifted_flips_is_not_flagged(crop) -> Non
     total = copy.mean_signed * copy.count
     assert abs(total) > BIAS_Z * np.sqrt(differing) + 1.0  # one-way: what the bias rule used to flag
     assert copy.rule == "exact kernels" and by_module["roll_output_fq"].ok and by_module["add_output_fq"].ok
+
+
+def test_read_on_the_files_codes_the_inherited_flips_vanish_and_only_the_float_conv_keeps_its_own(crop) -> None:  # noqa: ANN001
+    """Rules 3 and 4 judge each quantizer with eager reading onnxruntime's codes at the quantizers before it
+    (ForceQuantizeCalls): the crop, roll, add and head inherit the conv's flips free-running, and add none."""
+    model, path, batches = crop
+    by_module = {q.module: q for q in verify_onnx(model, path, batches).quantizers}
+    conv = by_module["conv"]
+    assert conv.own_identical == conv.identical < 1.0  # the float conv reads the input quantizer's identical codes
+    downstream = [by_module[m] for m in ("conv_output_fq", "roll_output_fq", "add_output_fq", "head")]
+    assert any(q.identical < 1.0 for q in downstream)
+    assert all(q.own_identical == 1.0 and q.ok for q in downstream), downstream
 
 
 @pytest.mark.parametrize("defect", ["scale_x1.05", "scale_x1.20", "zero_point_+1", "zero_point_-1", "drop_qdq",

@@ -50,6 +50,7 @@ from torch import nn
 from coreai_opt.api.internals.input_checks import input_check
 from coreai_opt.error_boundary import public_api
 from coreai_opt.onnx.verify.cache_codes import cache_scales
+from coreai_opt.onnx.verify.code_rules import QuantizerCodes
 from coreai_opt.onnx.verify.fusion_report import FusionReport, fusion_report, optimized_model
 from coreai_opt.onnx.verify.int8_compute_steps import int8_step_units
 from coreai_opt.onnx.verify.localize import Divergence, localize_divergence
@@ -59,7 +60,7 @@ from coreai_opt.onnx.verify.output_comparison import (
     compare_output,
     output_steps_of,
 )
-from coreai_opt.onnx.verify.quantizer_codes import QuantizerCodes, compare_quantizer_codes
+from coreai_opt.onnx.verify.quantizer_codes import compare_quantizer_codes
 from coreai_opt.onnx.verify.runtimes import graph_input_names, open_runner
 from coreai_opt.onnx.verify.tolerance import derive_tolerances
 from coreai_opt.passes.sink_weight_quantizers import eager_order
