@@ -162,6 +162,46 @@ def test_export_onnx_still_accepts_float32_inputs_for_a_bfloat16_prepare_convert
     assert co.verify_onnx(converted, path, [x]).ok
 
 
+class _Bfloat16Buffers(nn.Module):
+    """A float32 model with a bfloat16 scalar buffer (hf RecurrentGemma's embedding normalizer), used two ways."""
+
+    def __init__(self, compute_in_bfloat16: bool) -> None:
+        super().__init__()
+        self.linear, self.compute_in_bfloat16 = nn.Linear(4, 8), compute_in_bfloat16
+        self.normalizer = nn.Buffer(torch.tensor(2.0, dtype=torch.bfloat16), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if self.compute_in_bfloat16:
+            return (h.to(torch.bfloat16) * self.normalizer).float()
+        return h * self.normalizer.type(h.dtype)
+
+
+def _bfloat16_buffer_export(compute_in_bfloat16: bool, path: Path) -> tuple[nn.Module, Path, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    prepared = co.prepare(_Bfloat16Buffers(compute_in_bfloat16).eval(), co.QuantizerConfig.presets.w8a8(), (x,))
+    co.calibrate(prepared, [x], progress=False)
+    converted = co.convert(prepared)
+    return converted, co.export_onnx(converted, (x,), path), x
+
+
+def test_a_bfloat16_constant_cast_to_float32_exports_and_verifies(tmp_path: Path) -> None:
+    converted, path, x = _bfloat16_buffer_export(False, tmp_path / "normalizer.onnx")
+    assert co.verify_onnx(converted, path, [x]).ok
+
+
+def test_bfloat16_compute_is_refused_naming_the_node_and_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^the exported graph computes in bfloat16 \(node .*casts to bfloat16: a "
+                                         r"bfloat16 buffer of the model used as it is\), and onnxruntime's CPU "
+                                         r"provider has no bfloat16 .*model.float\(\)"):
+        _bfloat16_buffer_export(True, tmp_path / "bf16.onnx")
+    assert not (tmp_path / "bf16.onnx").exists()
+    converted, _, x = _bfloat16_buffer_export(False, tmp_path / "normalizer.onnx")
+    with pytest.raises(ValueError, match=r"^the model's parameters or its example inputs are bfloat16"):
+        co.export_onnx(converted.to(torch.bfloat16), (x.bfloat16(),), tmp_path / "params.onnx")
+
+
 class _NamedOutput(nn.Module):
     def forward(self, output: torch.Tensor) -> torch.Tensor:
         return torch.relu(output) + 1.0

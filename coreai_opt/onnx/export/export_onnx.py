@@ -60,7 +60,12 @@ from coreai_opt.onnx.export.dynamic_axes import (
 from coreai_opt.onnx.export.export_routes import UntranslatableOpError, export_with_fallback, torchscript_export
 from coreai_opt.onnx.export.extra_translations import extra_translation_table
 from coreai_opt.onnx.export.frozen_bias_scales import bias_scales_frozen
-from coreai_opt.onnx.export.input_validation import check_export_inputs, check_io_names
+from coreai_opt.onnx.export.input_validation import (
+    check_export_inputs,
+    check_io_names,
+    refuse_bfloat16,
+    refuse_bfloat16_compute,
+)
 from coreai_opt.onnx.export.kv_cache import task_io, warn_per_tensor_dynamic
 from coreai_opt.onnx.export.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.export.opset import preferred_opset, select_opset
@@ -228,17 +233,6 @@ def _dynamo_export(
     )
 
 
-def _refuse_bfloat16(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-    """Refuse bfloat16: onnxruntime's CPU provider has no bfloat16 Conv/Gemm/MatMul kernels to run it."""
-    tensors = [*model.parameters(), *model.buffers(), *inputs]
-    if any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors):
-        raise ValueError(
-            "the model or its example inputs are bfloat16, and onnxruntime's CPU provider has no bfloat16 "
-            "Conv/Gemm/MatMul kernels; export a float32 or float16 copy instead (e.g. model.float() and "
-            "float32 example inputs), which keeps the float32 qparams"
-        )
-
-
 def _check_matmul_compute(model: nn.Module, requested: str | None) -> None:
     """Refuse ``matmul_compute=requested`` when the model was quantized for another compute (names the layers)."""
     if requested is None:
@@ -340,7 +334,7 @@ def export_onnx(
     _check_matmul_compute(model, matmul_compute)
     inputs = _as_input_tuple(example_inputs)
     check_export_inputs(model, inputs)
-    _refuse_bfloat16(model, inputs)
+    refuse_bfloat16(model, inputs)
     chosen_opset = select_opset(quantizer_uses(quantizers), opset, preferred=preferred_opset(model))
     if task is not None:
         input_names, output_names, dynamic_shapes = task_io(task, len(inputs), input_names, output_names,
@@ -364,6 +358,7 @@ def export_onnx(
             raise
         model_proto, quantized, detached = _export_proto(model, inputs, chosen_opset, asked, in_names, out_names)
     check_axes_are_dynamic(model_proto, axes, requested)
+    refuse_bfloat16_compute(model_proto)
     # the large initializers, held apart: taken over by the rewrite, then those it ends with, streamed by the save
     report = rewrite.apply(model_proto, rewrite.POST_PASSES, precomputed=quantized, detached=detached)
     del quantized
