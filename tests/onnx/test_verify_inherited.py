@@ -126,3 +126,32 @@ def test_attention_average_step_gain_is_derived_from_the_files_scales(tmp_path: 
     assert report.ok, str(report)
     outcome = judge_defect(model, path, batches[2:], "scale_x1.05", tmp_path)
     assert outcome.status == "flagged" and outcome.first_quantizer is not None, outcome
+
+
+def test_an_output_moved_by_an_upstream_defect_is_charged_to_the_defects_quantizer(tmp_path: Path) -> None:
+    """zoo shape_unpack w8a8 with its first weight negated: the output moves 26 steps (6 allowed) free-running, but
+    on the file's codes at every quantizer it is exact, so the output passes and the report fails at the weight's
+    layer (integer-exact: 0 steps allowed), not at an output the difference only flowed into."""
+    import onnx
+    from onnx import numpy_helper
+
+    from tests.zoo import ZOO, build, preset_config
+
+    model, example, batches = build("shape_unpack")
+    prepared = coreai_opt.prepare(model, preset_config("w8a8", model), example)
+    coreai_opt.calibrate(prepared, batches, progress=False)
+    converted = coreai_opt.convert(prepared)
+    file = onnx.load(str(export_onnx(converted, example, tmp_path / "clean.onnx")))
+    weight = next(t for t in file.graph.initializer if t.name == "proj.weight_quantized")
+    weight.CopyFrom(numpy_helper.from_array(np.clip(-numpy_helper.to_array(weight).astype(np.int32), -127, 127)
+                                            .astype(np.int8), weight.name))
+    onnx.save(file, str(tmp_path / "negated.onnx"))
+    torch.manual_seed(123)
+    evaluation = [(ZOO["shape_unpack"].make_input(16),) for _ in range(4)]
+    report = verify_onnx(converted, tmp_path / "negated.onnx", evaluation)
+    (output,) = report.outputs
+    assert output.max_diff_steps is not None and output.tolerance_steps is not None
+    assert output.max_diff_steps > output.tolerance_steps  # free-running: far outside
+    assert output.on_file_codes is not None and output.on_file_codes.max_abs_diff == 0.0 and output.ok
+    first = report.first_failing_quantizer
+    assert not report.ok and first is not None and first.module == "proj" and first.kernels == "integer-exact"

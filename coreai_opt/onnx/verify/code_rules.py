@@ -207,8 +207,14 @@ def _broadcast(values: np.ndarray, axis: int, ndim: int) -> np.ndarray:
 
 def _differences(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                  ) -> tuple[np.ndarray, np.ndarray, bool] | None:
-    """``(d = q_onnxruntime - q_eager, eager's NaN mask, qparams match)``; None when the tensors do not compare."""
-    y, scale, zero_point = (t.double().numpy() for t in eager)
+    """``(d = q_onnxruntime - q_eager, eager's NaN mask, qparams match)``; None when the tensors do not compare.
+
+    ``eager``: ``(y or its codes, scale, zero_point)``: the fake-quantized output ``y`` (float), or the codes
+    :func:`~coreai_opt.onnx.verify.quantize_calls.eager_codes` kept of it (integer; NaN as the dtype's minimum).
+    """
+    values, scale, zero_point = eager[0], eager[1].double().numpy(), eager[2].double().numpy()
+    kept_codes = not values.is_floating_point()
+    y = values.numpy() if kept_codes else values.double().numpy()
     if y.shape != got.shape and y.size == got.size and scale.size == 1:
         y = y.reshape(got.shape)  # a linear on [B, T, D] exported as Reshape -> Gemm quantizes the [B·T, D] view
     float8 = b.zero_point is not None and b.zero_point.dtype.kind not in "iu"  # float8 bits arrive as uint8
@@ -221,8 +227,13 @@ def _differences(b: Boundary, got: np.ndarray, eager: tuple[torch.Tensor, torch.
     s = _broadcast(scale.reshape(-1) if scale.size > 1 else scale, b.axis, y.ndim)
     z = _broadcast(np.broadcast_to(zero_point, scale.shape).reshape(-1) if scale.size > 1 else zero_point, b.axis,
                    y.ndim)
-    y = np.where(nan := np.isnan(y), 0.0, y)  # rule nan; the other values are still compared for the report
-    return got.astype(np.int64) - (np.rint(y / s) + z).astype(np.int64), nan, qparams_match
+    if kept_codes:
+        nan = y == np.iinfo(y.dtype).min
+        q = np.where(nan, z, y).astype(np.int64)
+    else:
+        y = np.where(nan := np.isnan(y), 0.0, y)  # rule nan; the other values are still compared for the report
+        q = (np.rint(y / s) + z).astype(np.int64)
+    return got.astype(np.int64) - q, nan, qparams_match
 
 
 def _unbiased(d: np.ndarray) -> bool:

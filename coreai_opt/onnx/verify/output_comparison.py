@@ -67,6 +67,9 @@ class OutputComparison:
         tolerance_steps: Allowed difference in steps (step rules), else None.
         tolerance: Allowed absolute difference (for per-element steps: at the coarsest step).
         reason: One line: why this tolerance (which kernels differ and how).
+        on_file_codes: Where the free-running comparison failed, the same output with eager reading onnxruntime's
+            codes at every quantizer (what the ops after the last quantizers add, the rest inherited from rounding
+            flips the quantizer rules judge one by one); ``ok`` then holds when this one is within tolerance.
     """
 
     name: str
@@ -85,6 +88,7 @@ class OutputComparison:
     argmax_flip_max_margin: float | None = None
     argmax_tie_bound: float | None = None
     argmax_rows: int = 0
+    on_file_codes: OutputComparison | None = None
 
     @property
     def argmax_flips(self) -> str:

@@ -26,9 +26,28 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from coreai_opt.onnx.verify.missing_calls import input_key
 
-__all__ = ["ForceQuantizeCalls", "RecordQuantizeCalls"]
+__all__ = ["ForceQuantizeCalls", "RecordQuantizeCalls", "eager_codes"]
 
 _QDQ = torch.ops.coreai_opt.quantize_dequantize.default
+
+
+def eager_codes(args: tuple, result: torch.Tensor) -> torch.Tensor:  # noqa: ANN401 (the op's own arguments)
+    """Eager's codes ``q = round(y / s) + z`` of one ``quantize_dequantize`` output ``y = (q - z) · s``.
+
+    Kept instead of ``y``: int16 for codes of 8-bit grids (half of float32), int32 otherwise; a NaN of ``y`` (a
+    0 / 0 upstream, rule ``nan``) is stored as the dtype's minimum, outside every grid. Per-block grids and float8
+    keep ``y`` itself (float32).
+    """
+    scale, zero_point, quant_min, quant_max, axis, block_size, dtype = args[1:8]
+    if block_size > 0 or dtype.startswith("float8"):
+        return result.detach().clone()
+    s, z = scale.detach(), zero_point.detach().float()
+    if s.dim() > 0:
+        shape = [-1 if i == axis % result.dim() else 1 for i in range(result.dim())]
+        s, z = s.reshape(shape), z.reshape(shape)
+    q = torch.round(result.detach() / s).add_(z)
+    storage = torch.int16 if -32767 <= quant_min and quant_max <= 32767 else torch.int32
+    return torch.where(torch.isnan(q), torch.iinfo(storage).min, q).to(storage)
 
 
 class RecordQuantizeCalls(TorchDispatchMode):
@@ -67,7 +86,8 @@ class RecordQuantizeCalls(TorchDispatchMode):
                     self.derived[t] = True
         if func is _QDQ:
             if self.count in self.wanted:
-                self.calls[self.count] = (result.detach().clone(), args[1].detach().clone(), args[2].detach().clone())
+                self.calls[self.count] = (eager_codes(args, result), args[1].detach().clone(),
+                                          args[2].detach().clone())
             if args[0] in self.derived:
                 self.activations[self.count] = (tuple(args[0].shape), args[1].untyped_storage().data_ptr())
                 if self.traced is not None:
@@ -77,7 +97,7 @@ class RecordQuantizeCalls(TorchDispatchMode):
 
 
 class ForceQuantizeCalls(TorchDispatchMode):
-    """At the wanted calls, keep eager's ``(output, scale, zero_point)`` and continue from the file's codes.
+    """At the wanted calls, keep eager's ``(codes, scale, zero_point)`` and continue from the file's codes.
 
     Enter it *after* (inside) an :class:`~coreai_opt.onnx.verify.integer_reference.IntegerReference`: the forced
     values are written into the output tensor the reference tagged, so its integer layers read the file's codes.
@@ -103,7 +123,7 @@ class ForceQuantizeCalls(TorchDispatchMode):
         if forced is None:
             return result
         scale, zero_point, axis, block_size, dtype = args[1], args[2], args[5], args[6], args[7]
-        self.calls[index] = (result.detach().clone(), scale.detach().clone(), zero_point.detach().clone())
+        self.calls[index] = (eager_codes(args, result), scale.detach().clone(), zero_point.detach().clone())
         if forced.size != result.numel() or block_size > 0 or dtype.startswith("float8"):
             return result
         q = torch.from_numpy(forced.astype(np.float32)).reshape(result.shape)

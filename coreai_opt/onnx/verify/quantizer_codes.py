@@ -20,13 +20,14 @@ import numpy as np
 import onnx
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.verify.cache_codes import cache_scales
 from coreai_opt.onnx.verify.code_rules import Forced, QuantizerCodes, judge_codes
 from coreai_opt.onnx.verify.fusion_report import optimized_model
 from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerReference
-from coreai_opt.onnx.verify.localize import add_outputs_and_save, non_exact_behind, quantizer_boundaries
+from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
 from coreai_opt.onnx.verify.missing_calls import missing_calls, traced_calls, untraced_scales
 from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
 from coreai_opt.onnx.verify.quantize_calls import ForceQuantizeCalls, RecordQuantizeCalls
@@ -82,7 +83,9 @@ def _feeding(graph: OnnxGraph, tensor: str, boundaries: set[str]) -> tuple[str, 
 
 
 def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[torch.Tensor, ...], *,
-                            providers: Sequence[str] = ("CPUExecutionProvider",)) -> tuple[QuantizerCodes, ...]:
+                            providers: Sequence[str] = ("CPUExecutionProvider",),
+                            forced_batches: Sequence[tuple[torch.Tensor, ...]] = ()
+                            ) -> tuple[tuple[QuantizerCodes, ...], list[list[np.ndarray]]]:
     """Statistics and verdict at every activation quantizer of ``path`` on one batch (module docstring).
 
     Args:
@@ -90,19 +93,22 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         path: The ONNX file ``export_onnx`` wrote for it.
         batch: One batch: a tuple of tensors, one per model input.
         providers: onnxruntime execution providers.
+        forced_batches: Batches to run eager on the file's codes too, returning its outputs (flat, as
+            ``verify_onnx`` compares them): what eager computes after the file's last quantizers.
 
     Returns:
         One :class:`QuantizerCodes` per activation quantizer with integer codes, in graph order (empty when the
         file has none, e.g. weight-only presets; float8 quantizers are left to the output comparison), and one
         failing ``missing`` entry per activation quantizer eager calls that no node of the file was traced from
-        (rule 5 of the module docstring), placed before the quantizers of later calls.
+        (rule 5 of the module docstring), placed before the quantizers of later calls; and the forced outputs of
+        each of ``forced_batches`` (empty without quantizers).
     """
     import onnxruntime as ort
 
     exported = onnx.load(str(path))
     boundaries = quantizer_boundaries(exported)
     if not boundaries:
-        return ()
+        return (), []
     traced, rebuilt, codes = traced_calls(exported), untraced_scales(exported), cache_scales(model, exported.graph)
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
         # the loaded file itself becomes the instrumented copy, released before onnxruntime loads it: one copy of
@@ -126,12 +132,11 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         session = ort.InferenceSession(str(instrumented), options, providers=list(providers))
         names = [i.name for i in session.get_inputs()]
         values = session.run(tensors, codes.feed(names, batch))
+        forced_outputs = [_forced_forward(model, reference.calls, boundaries,
+                                          session.run(tensors, codes.feed(names, b)), b)[1] for b in forced_batches]
         del session
     # eager again, each quantizer reading onnxruntime's codes at the ones before: what its own kernels add
-    forced_reference = IntegerReference(reference.calls)
-    forcing = ForceQuantizeCalls({b.call: v for b, v in zip(boundaries, values, strict=True)})
-    with torch.no_grad(), forced_reference, forcing:
-        model(*batch)
+    (forced_reference, forcing), _ = _forced_forward(model, reference.calls, boundaries, values, batch)
     bounds, boundary_tensors = tensor_bounds(optimized), set(tensors)
     # per quantizer: differing fraction (rule 3), differing codes, largest difference (rule 2)
     mismatch: dict[str, float] = {}
@@ -157,4 +162,15 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         if codes is not None:
             mismatch[b.tensor], differing[b.tensor] = 1.0 - codes.identical, round(codes.count * (1 - codes.identical))
             steps[b.tensor], judged[i] = codes.max_abs, codes
-    return _with_missing([judged[i] for i in sorted(judged)], missing)
+    return _with_missing([judged[i] for i in sorted(judged)], missing), forced_outputs
+
+
+def _forced_forward(model: nn.Module, integer_calls: set[int], boundaries: Sequence[Boundary],
+                    values: Sequence[np.ndarray], batch: tuple[torch.Tensor, ...]
+                    ) -> tuple[tuple[IntegerReference, ForceQuantizeCalls], list[np.ndarray]]:
+    """Eager on ``batch`` with every quantizer handing on the file's codes ``values``; its modes and flat outputs."""
+    reference = IntegerReference(integer_calls)
+    forcing = ForceQuantizeCalls({b.call: v for b, v in zip(boundaries, values, strict=True)})
+    with torch.no_grad(), reference, forcing:
+        outputs = model(*batch)
+    return (reference, forcing), [t.detach().cpu().numpy() for t in pytree.tree_leaves(outputs)]

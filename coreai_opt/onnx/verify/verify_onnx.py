@@ -29,6 +29,10 @@ traced from (a dropped Q/DQ pair) fails as ``missing``. An output with a class o
 ``[B, T, V]`` judged per token over the last axis) reports its top-1 agreement and fails on any flip whose eager
 margin is not a near tie, and, over at least 200 rows, on an agreement below 99.5 % even when every flip is a near
 tie (:data:`~coreai_opt.onnx.verify.output_comparison.MIN_ARGMAX_AGREEMENT`: many near ties at once are a shift).
+An output that fails free-running is judged again with eager reading onnxruntime's codes at every quantizer
+(:class:`~coreai_opt.onnx.verify.quantize_calls.ForceQuantizeCalls`), on every batch, against the same tolerance:
+what the ops after the last quantizers add. Within it, the free-running difference is inherited from rounding flips
+upstream, which the quantizer rules judge one by one, and the output passes (hf beam: 78 steps free-running).
 
 When an output or a quantizer fails, the first failing quantizer is named (:attr:`VerificationReport.divergence`:
 from :func:`coreai_opt.onnx.verify.localize.localize_divergence` when an output fails, else the first quantizer whose
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,9 +64,10 @@ from coreai_opt.onnx.verify.output_comparison import (
     compare_output,
     output_steps_of,
 )
+from coreai_opt.onnx.verify.output_steps import OutputStep
 from coreai_opt.onnx.verify.quantizer_codes import compare_quantizer_codes
 from coreai_opt.onnx.verify.runtimes import graph_input_names, open_runner
-from coreai_opt.onnx.verify.tolerance import derive_tolerances
+from coreai_opt.onnx.verify.tolerance import OutputTolerance, derive_tolerances
 from coreai_opt.passes.sink_weight_quantizers import eager_order
 
 __all__ = [
@@ -145,12 +150,24 @@ class VerificationReport:
         lines = [f"{title}, ok={self.ok}"]
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines += [f"  tolerance of {o.name} ({o.rule}): {o.reason}" for o in self.outputs]
+        lines += [f"  {o.name} on the file's codes at every quantizer (the free-running difference inherited from "
+                  f"rounding flips the quantizer rules judge): max |diff| {o.on_file_codes.max_abs_diff:.3g}, "
+                  f"ok={o.on_file_codes.ok}" for o in self.outputs if o.on_file_codes is not None]
         lines += [f"  argmax flips of {o.name}: {o.argmax_flips}" for o in self.outputs if o.argmax_flips]
         if self.divergence is not None:
             lines.append(f"  {self.divergence}")
         if (first := self.first_failing_quantizer) is not None:
             lines.append(f"  first failing quantizer: {first}")
         return "\n".join(lines) + "\n" + str(self.fusion)
+
+
+def _on_file_codes(output: OutputComparison, forced: list[np.ndarray], gots: list[np.ndarray],
+                   steps: dict[str, OutputStep], tolerances: dict[str, OutputTolerance],
+                   units: dict[str, list[np.ndarray]]) -> OutputComparison:
+    """A failing output judged again against eager on the file's codes (``OutputComparison.on_file_codes``)."""
+    name = output.name
+    again = compare_output(name, forced, gots, steps.get(name), tolerances.get(name), units.get(name))
+    return replace(output, ok=again.ok, on_file_codes=again)
 
 
 def _batches(inputs: object) -> list[tuple[torch.Tensor, ...]]:
@@ -280,9 +297,18 @@ def verify_onnx(
     num_samples = sum(int(b[0].shape[0]) if b[0].dim() else 1 for b in batches)
     quantizers: tuple[QuantizerCodes, ...] = ()
     if check_quantizers and runtime == "onnxruntime":
-        quantizers = compare_quantizer_codes(model, path, batches[0], providers=providers)
+        failing = not all(o.ok for o in outputs)  # then judged again on the file's codes (OutputComparison)
+        quantizers, forced = compare_quantizer_codes(model, path, batches[0], providers=providers,
+                                                     forced_batches=batches if failing else ())
+        outputs = tuple(
+            _on_file_codes(o, [f[k] for f in forced], gots[k], steps, tolerances, units)
+            if not o.ok and forced and all(len(f) == len(outputs) for f in forced) else o
+            for k, o in enumerate(outputs)
+        )
     divergence = None
-    if localize and runtime == "onnxruntime" and not all(o.ok for o in outputs):
+    judged_ok = all(o.ok for o in outputs) and all(q.ok for q in quantizers)
+    if localize and runtime == "onnxruntime" and any(o.on_file_codes is not None or not o.ok for o in outputs) \
+            and not judged_ok:  # an output failed free-running, and the file fails: where the two first part
         divergence = localize_divergence(model, path, batches[0], providers=providers)
     return VerificationReport(path, len(batches), num_samples, outputs, fusion_report(path), runtime, divergence,
                               quantizers)
