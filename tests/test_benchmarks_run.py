@@ -16,7 +16,7 @@ STUDY_FOLDERS = sorted(p.parent.name for p in BENCHMARKS.glob("*/__init__.py") i
 
 def test_the_registry_holds_every_study_folder_and_names_each_by_its_folder() -> None:
     assert sorted(run.STUDIES) == STUDY_FOLDERS == [
-        "audit", "auto", "comparison", "corpus", "demo", "llm", "llm_memory", "llm_quality", "llm_speed",
+        "audit", "auto", "comparison", "corpus", "demo", "export_cost", "llm", "llm_memory", "llm_quality", "llm_speed",
         "matmul_nbits", "memory", "minilm", "sweep", "verify"]
     for name, study in run.STUDIES.items():
         assert study.name == name
