@@ -55,3 +55,16 @@ def test_a_stable_sort_exports_as_onnxruntime_topk_with_the_same_tied_order(tmp_
     np.testing.assert_array_equal(values, expected.values.numpy())
     np.testing.assert_array_equal(indices, expected.indices.numpy())
 
+
+
+def test_erfinv_runs_in_onnxruntime_within_a_few_float32_ulps_of_torch(tmp_path):
+    class Quantile(nn.Module):
+        def forward(self, p: torch.Tensor) -> torch.Tensor:
+            return torch.distributions.normal.Normal(0, 1).icdf(p)  # sqrt(2) · erfinv(2p - 1): hf Gemma-3n
+
+    p = torch.cat([torch.linspace(1e-6, 1 - 1e-6, 4001), torch.tensor([0.5, 0.95, 1e-7, 1 - 1e-7])])
+    (got,) = _run(Quantile(), (p,), str(tmp_path / "icdf.onnx"))
+    expected = Quantile()(p).numpy()
+    np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-6)
+    (edges,) = _run(Quantile(), (torch.tensor([0.0, 1.0]),), str(tmp_path / "edges.onnx"))
+    assert edges.tolist() == [-np.inf, np.inf]
