@@ -2,10 +2,10 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture (→ functionalize_inplace) → check_finite_weights → decompose_attention → decompose_silu → classify_ops →
-    functionalize_weights → fold_batchnorm → fold_attention_scale → annotate → insert_quantizers →
-    check_activation_axes → quantize_kv_cache (``config.kv_cache``) → int8_compute_inputs (weight-only linears
-    with ``matmul_compute="int8"``)
+    capture (→ functionalize_inplace) → check_finite_weights → complex_as_real → decompose_attention →
+    decompose_silu → order_ties → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale →
+    annotate → insert_quantizers → check_activation_axes → quantize_kv_cache (``config.kv_cache``) →
+    int8_compute_inputs (weight-only linears with ``matmul_compute="int8"``)
     → insert_weight_statistics
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
@@ -35,6 +35,7 @@ from coreai_opt.graph.shared_parameters import protect_shared_parameters
 from coreai_opt.passes.annotate import annotate
 from coreai_opt.passes.capture import capture as capture_model
 from coreai_opt.passes.classify_ops import classify_ops
+from coreai_opt.passes.complex_as_real import complex_as_real
 from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.decompose_silu import decompose_silu
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
@@ -129,6 +130,7 @@ def prepare(
                        concrete_args=concrete_args, dynamic_shapes=dynamic_shapes, share_parameters=not qat)
     check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
                                         "before prepare")
+    gm = complex_as_real(gm).graph_module  # complex arithmetic (rotary tables) as real pairs: ONNX has no complex ops
     gm = decompose_attention(gm).graph_module
     gm = decompose_silu(gm, config.resolve).graph_module
     gm = order_ties(gm).graph_module  # sort / topk ties in onnxruntime's order, so eager and the file agree

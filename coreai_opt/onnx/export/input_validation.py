@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from coreai_opt.api.internals.input_checks import differing_shape, input_check
 from coreai_opt.errors import InputValidationError
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
 
 __all__ = ["check_export_inputs", "check_io_names", "refuse_bfloat16", "refuse_bfloat16_compute"]
 
@@ -84,13 +85,17 @@ def refuse_bfloat16(model: nn.Module, inputs: Sequence[Tensor]) -> None:
 
 def refuse_bfloat16_compute(model: onnx.ModelProto) -> None:
     """Raise ``ValueError`` when the exported graph computes in bfloat16 (a bfloat16 buffer used as it is)."""
-    graph = model.graph
-    constants = {t.name for t in graph.initializer if t.data_type == onnx.TensorProto.BFLOAT16}
-    for node in graph.node:
-        to_bf16 = node.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16
-                                                  for a in node.attribute)
-        reads = [name for name in node.input if name in constants] if node.op_type != "Cast" else []
-        if to_bf16 or reads:
-            what = f"reads the bfloat16 constant {reads[0]!r}" if reads else "casts to bfloat16"
-            raise ValueError(f"the exported graph computes in bfloat16 (node {node.name!r}, {node.op_type}, {what}: "
-                             f"a bfloat16 buffer of the model used as it is), and {_BFLOAT16_FIX}")
+    graph = OnnxGraph(model)
+    for constant in graph.initializers():
+        readers = [] if constant.data_type != onnx.TensorProto.BFLOAT16 else graph.readers(constant.name)
+        computing = next((node for node in readers if node.op_type != "Cast"), None)
+        if computing is not None:
+            _refuse_bfloat16_node(computing, f"reads the bfloat16 constant {constant.name!r}")
+    for node in graph.nodes:
+        if node.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for a in node.attribute):
+            _refuse_bfloat16_node(node, "casts to bfloat16")
+
+
+def _refuse_bfloat16_node(node: onnx.NodeProto, what: str) -> None:
+    raise ValueError(f"the exported graph computes in bfloat16 (node {node.name!r}, {node.op_type}, {what}: "
+                     f"a bfloat16 buffer of the model used as it is), and {_BFLOAT16_FIX}")
