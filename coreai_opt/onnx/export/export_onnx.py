@@ -58,6 +58,7 @@ from coreai_opt.onnx.export.dynamic_axes import (
     torch_dynamic_shapes,
 )
 from coreai_opt.onnx.export.export_routes import UntranslatableOpError, export_with_fallback, torchscript_export
+from coreai_opt.onnx.export.exporter_repairs import register_dangling_constants
 from coreai_opt.onnx.export.extra_translations import extra_translation_table
 from coreai_opt.onnx.export.frozen_bias_scales import bias_scales_frozen
 from coreai_opt.onnx.export.input_validation import (
@@ -192,6 +193,7 @@ def _export_proto(
         with (rounded_weight_buffers(model, lazy=True) as placeholders, bias_scales_frozen(model),
               calibration_state_hidden(model)):
             program = _dynamo_export(model, inputs, opset, axes, input_names, output_names)
+            register_dangling_constants(program.model)  # torch's unregistered Clip bounds (exporter_repairs.py)
             bind_rounded_weights(program.model, placeholders)
         quantized = defer_large_weights(program.model)
         detached = detach_large_initializers(program.model)
