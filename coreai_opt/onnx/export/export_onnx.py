@@ -58,6 +58,7 @@ from coreai_opt.onnx.export.dynamic_axes import (
     torch_dynamic_shapes,
 )
 from coreai_opt.onnx.export.export_routes import UntranslatableOpError, export_with_fallback, torchscript_export
+from coreai_opt.onnx.export.exporter_optimizer import without_quadratic_rewrites
 from coreai_opt.onnx.export.exporter_repairs import register_dangling_constants
 from coreai_opt.onnx.export.extra_translations import extra_translation_table
 from coreai_opt.onnx.export.frozen_bias_scales import bias_scales_frozen
@@ -216,23 +217,24 @@ def _dynamo_export(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
     input_names: list[str], output_names: list[str],
 ) -> torch.onnx.ONNXProgram:
-    return torch.onnx.export(
-        model,
-        inputs,
-        dynamo=True,
-        opset_version=opset,
-        custom_translation_table={
-            **quantize_dequantize_translation_table(opset),
-            **dynamic_quantize_dequantize_translation_table(opset),
-            **int8_compute_translation_table(),
-            **extra_translation_table(opset),
-        },
-        dynamic_shapes=torch_dynamic_shapes(axes),
-        input_names=input_names,
-        output_names=output_names,
-        external_data=False,
-        verbose=False,
-    )
+    with without_quadratic_rewrites():  # one optimizer rule's cost grows with the square of our Slice readers
+        return torch.onnx.export(
+            model,
+            inputs,
+            dynamo=True,
+            opset_version=opset,
+            custom_translation_table={
+                **quantize_dequantize_translation_table(opset),
+                **dynamic_quantize_dequantize_translation_table(opset),
+                **int8_compute_translation_table(),
+                **extra_translation_table(opset),
+            },
+            dynamic_shapes=torch_dynamic_shapes(axes),
+            input_names=input_names,
+            output_names=output_names,
+            external_data=False,
+            verbose=False,
+        )
 
 
 def _check_matmul_compute(model: nn.Module, requested: str | None) -> None:
