@@ -67,7 +67,9 @@ def test_read_on_the_files_codes_the_inherited_flips_vanish_and_only_the_float_c
     model, path, batches = crop
     by_module = {q.module: q for q in verify_onnx(model, path, batches).quantizers}
     conv = by_module["conv"]
-    assert conv.own_identical == conv.identical < 1.0  # the float conv reads the input quantizer's identical codes
+    # the float conv reads the input quantizer's identical codes: forced, it differs as much as free-running, less
+    # the flips at near ties (within NEAR_TIE of a boundary: the kernel's rounding, kept as onnxruntime's)
+    assert conv.identical <= conv.own_identical < 1.0
     downstream = [by_module[m] for m in ("conv_output_fq", "roll_output_fq", "add_output_fq", "head")]
     assert any(q.identical < 1.0 for q in downstream)
     assert all(q.own_identical == 1.0 and q.ok for q in downstream), downstream
