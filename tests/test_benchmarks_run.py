@@ -58,7 +58,8 @@ def test_only_run_py_is_an_entry_point() -> None:
 
 def test_every_results_file_sits_in_its_study_folder() -> None:
     found = sorted(str(p.relative_to(BENCHMARKS)) for p in BENCHMARKS.rglob("RESULTS*.md"))
-    assert found == ["audit/RESULTS.md", "auto/RESULTS.md", "comparison/RESULTS.md", "llm/RESULTS.md",
+    assert found == ["audit/RESULTS.md", "auto/RESULTS.md", "comparison/RESULTS.md", "export_cost/RESULTS.md",
+                     "llm/RESULTS.md",
                      "llm_memory/RESULTS.md", "llm_quality/RESULTS.md", "llm_speed/RESULTS.md", "memory/RESULTS.md",
                      "minilm/RESULTS.md", "sweep/RESULTS.md", "verify/RESULTS.md"]
 
