@@ -2,11 +2,11 @@
 
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
-    capture (→ functionalize_inplace) → check_finite_weights → complex_as_real → decompose_attention →
-    decompose_silu → order_ties → classify_ops → functionalize_weights → fold_batchnorm → fold_attention_scale →
-    annotate → insert_quantizers → check_activation_axes → quantize_kv_cache (``config.kv_cache``) →
-    int8_compute_inputs (weight-only linears with ``matmul_compute="int8"``)
-    → insert_weight_statistics
+    capture (→ functionalize_inplace) → check_finite_weights → complex_as_real → factories_from_metadata →
+    remove_dead_nodes → decompose_attention → decompose_silu → order_ties → classify_ops → functionalize_weights →
+    fold_batchnorm → fold_attention_scale → annotate → insert_quantizers → check_activation_axes →
+    quantize_kv_cache (``config.kv_cache``) → int8_compute_inputs (weight-only linears with
+    ``matmul_compute="int8"``) → insert_weight_statistics
 
 then weight qparams are computed from the weights. A post-training prepared model starts with observers
 off and fake quantization on (``calibrate`` turns observers on for its duration); a QAT model
@@ -28,6 +28,7 @@ from coreai_opt.api.internals.unmatched_config import warn_unmatched_entries
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
 from coreai_opt.graph.activation_axes import check_activation_axes
+from coreai_opt.graph.dead_code import remove_dead_nodes
 from coreai_opt.graph.finite_weights import check_finite_weights
 from coreai_opt.graph.graph_meta import get_graph_meta, set_graph_meta
 from coreai_opt.graph.node_meta import get_meta
@@ -38,6 +39,7 @@ from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.complex_as_real import complex_as_real
 from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.decompose_silu import decompose_silu
+from coreai_opt.passes.factories_from_metadata import factories_from_metadata
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_weights import functionalize_weights
@@ -131,6 +133,9 @@ def prepare(
     check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
                                         "before prepare")
     gm = complex_as_real(gm).graph_module  # complex arithmetic (rotary tables) as real pairs: ONNX has no complex ops
+    gm = factories_from_metadata(gm).graph_module  # x.new_zeros(...) reads x's dtype only, not its values
+    if remove_dead_nodes(gm):  # values no output reads (a branch's empty slice) get no quantizer: none in the file
+        gm.recompile()
     gm = decompose_attention(gm).graph_module
     gm = decompose_silu(gm, config.resolve).graph_module
     gm = order_ties(gm).graph_module  # sort / topk ties in onnxruntime's order, so eager and the file agree
