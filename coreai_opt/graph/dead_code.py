@@ -4,15 +4,29 @@
 pure, so an in-place op whose *result* is unused (its effect is the write into ``x``) is deleted and the model
 silently changes. Every pass that removes nodes uses :func:`remove_dead_nodes` instead: a node goes only when it
 has no users and :func:`~coreai_opt.graph.op_effects.is_pure` proves that its result is its only effect.
+
+A torch.export capture checks a value's dtype before each ``.float()`` / ``.to(...)`` with an
+``aten._assert_tensor_metadata`` node. Such a check reads the value but computes nothing from it, so a value whose
+only readers are these checks is dead, and goes with them (transformers' MRA attention on CPU: the key and value
+projections, cast to float for a kernel that is absent and never read, were kept alive by their checks alone).
 """
 
 from __future__ import annotations
 
-from torch.fx import GraphModule
+import torch
+from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.op_effects import is_pure
 
 __all__ = ["remove_dead_nodes"]
+
+_METADATA_CHECK = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _only_checked(node: Node) -> bool:
+    """Every reader of ``node`` is a metadata check of it."""
+    return bool(node.users) and all(user.op == "call_function" and user.target is _METADATA_CHECK
+                                    for user in node.users)
 
 
 def remove_dead_nodes(gm: GraphModule) -> int:
@@ -37,6 +51,10 @@ def remove_dead_nodes(gm: GraphModule) -> int:
     """
     erased = 0
     for node in reversed(list(gm.graph.nodes)):
+        if _only_checked(node) and is_pure(gm, node):
+            for check in list(node.users):
+                gm.graph.erase_node(check)
+                erased += 1
         if not node.users and is_pure(gm, node):
             gm.graph.erase_node(node)
             erased += 1

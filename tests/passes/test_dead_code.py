@@ -119,3 +119,30 @@ def test_aten_ops_follow_their_schema() -> None:
         rand = gm.graph.call_function(torch.ops.aten.rand_like.default, (x,))
     assert [is_pure(gm, n) for n in (add_, view, add, rand)] == [False, True, True, False]
     assert [may_alias_input(gm, n) for n in (view, add)] == [True, False]
+
+
+def test_a_value_read_only_by_metadata_checks_goes_with_its_checks_and_a_read_value_keeps_its_check() -> None:
+    """transformers' MRA on CPU: ``key.float()`` handed to an absent kernel; only the export's dtype check reads it."""
+
+    class UnusedCast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.key, self.query = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            _ = self.key(x).float()  # dead: its checks read it, nothing computes from it
+            return self.query(x).float() * 2
+
+    from coreai_opt.passes.capture import capture
+
+    x = torch.randn(2, 4)
+    gm = capture(UnusedCast().eval(), (x,), method="export")
+    checks = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    assert len(checks) == 2  # the premise: one check per cast
+    expected = gm(x)
+    assert remove_dead_nodes(gm) > 0
+    gm.recompile()
+    targets = [str(n.target) for n in gm.graph.nodes]
+    assert "key.weight" not in " ".join(targets) and "query.weight" in " ".join(targets), targets
+    assert sum(n.target is torch.ops.aten._assert_tensor_metadata.default for n in gm.graph.nodes) == 1
+    assert torch.equal(gm(x), expected)
