@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 import warnings
@@ -27,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common.results_file import write_part
+from benchmarks.common.results_file import append_row, read_rows, write_part
 from benchmarks.common.study import BENCHMARKS, quiet_libraries
 from benchmarks.corpus.models import CorpusModel
 
@@ -203,12 +202,6 @@ def write_table(rows: list[dict[str, Any]], path: Path) -> None:
     write_part(path, "audit", "\n".join(lines))  # text outside the block (findings by hand) is kept
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def main(args: argparse.Namespace) -> int:
     """Measure the chosen models (appending to ``--rows``), then rewrite ``--output``; 0 unless a name is unknown."""
     entries = _entries()
@@ -225,11 +218,9 @@ def main(args: argparse.Namespace) -> int:
             family, entry = entries[name]
             row = audit_model(name, family, entry, args.work_dir / name, args.rounds)
             row["label"] = args.label
-            args.rows.parent.mkdir(parents=True, exist_ok=True)
-            with args.rows.open("a", encoding="utf-8") as out:
-                out.write(json.dumps(row) + "\n")
+            append_row(args.rows, row)
             ratio = f"ratio {row['latency']['ratio']:.3f}" if row.get("latency") else row.get("failed", "")
             print(f"{name}: {ratio} SQNR {row.get('sqnr_ours')} / {row.get('sqnr_peer')} "
                   f"({row['seconds']['total']:.0f} s)", flush=True)
-    write_table(_read(args.rows), args.output)
+    write_table(read_rows(args.rows), args.output)
     return 0

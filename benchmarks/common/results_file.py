@@ -3,13 +3,32 @@
 A study with several parts (``minilm``: ``w8a8``, ``int4-eager``, ``int4-peers``, ``int4-onnx``) keeps each part's
 latest output between two marker lines, ``<!-- part NAME -->`` and ``<!-- /part NAME -->``; :func:`write_part`
 replaces that block and leaves every other line of the file as it was (a part run for the first time is appended).
+
+A study that measures model by model appends one JSON row per model to its ``rows.jsonl`` (:func:`append_row`) and
+rebuilds its page from all of them (:func:`read_rows`), so a run can stop and resume.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
-__all__ = ["write_page", "write_part"]
+__all__ = ["append_row", "read_rows", "write_page", "write_part"]
+
+
+def append_row(path: Path, row: dict[str, Any]) -> None:
+    """Append ``row`` as one JSON line to ``path`` (creating its folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as out:
+        out.write(json.dumps(row) + "\n")
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON rows of ``path`` in file order (none when it does not exist yet)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def write_page(path: Path, text: str) -> None:

@@ -17,7 +17,6 @@ is the median of the per-round ratios, its spread their minimum and maximum. One
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
@@ -25,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.results_file import write_part
+from benchmarks.common.results_file import append_row, read_rows, write_part
 from benchmarks.common.study import BENCHMARKS, quiet_libraries
 
 __all__ = ["EXPORT_GOAL", "configure", "export_cost", "main", "same_axes", "write_table"]
@@ -113,15 +112,6 @@ def export_cost(name: str, work: Path, rounds: int) -> dict[str, Any]:
     return row
 
 
-def _read(rows: Path) -> dict[str, dict[str, Any]]:
-    latest: dict[str, dict[str, Any]] = {}
-    if rows.exists():
-        for line in rows.read_text(encoding="utf-8").splitlines():
-            row = json.loads(line)
-            latest[row["name"]] = row
-    return latest
-
-
 def write_table(rows: dict[str, dict[str, Any]], output: Path) -> None:
     """The page: one line per model, then the median and worst ratio against :data:`EXPORT_GOAL`."""
     lines = ["| model | float export s (median) | export_onnx s (median) | ratio (min–max) |", "|---|---|---|---|"]
@@ -155,9 +145,7 @@ def main(args: argparse.Namespace) -> int:
         quiet_libraries()
         for name in names:
             row = export_cost(name, args.work_dir / name, args.rounds)
-            args.rows.parent.mkdir(parents=True, exist_ok=True)
-            with args.rows.open("a", encoding="utf-8") as out:
-                out.write(json.dumps(row) + "\n")
+            append_row(args.rows, row)
             print(f"{name}: {row.get('ratio', row.get('failed'))}", flush=True)
-    write_table(_read(args.rows), args.output)
+    write_table({row["name"]: row for row in read_rows(args.rows)}, args.output)  # latest row wins
     return 0
