@@ -24,8 +24,8 @@ _METADATA_CHECK = torch.ops.aten._assert_tensor_metadata.default
 
 
 def _only_checked(node: Node) -> bool:
-    """Every reader of ``node`` is a metadata check of it."""
-    return bool(node.users) and all(user.op == "call_function" and user.target is _METADATA_CHECK
+    """``node`` has no reader but metadata checks of it (or no reader at all)."""
+    return all(user.op == "call_function" and user.target is _METADATA_CHECK
                                     for user in node.users)
 
 
@@ -52,10 +52,9 @@ def remove_dead_nodes(gm: GraphModule) -> int:
     erased = 0
     for node in reversed(list(gm.graph.nodes)):
         if _only_checked(node) and is_pure(gm, node):
-            for check in list(node.users):
+            checks = list(node.users)
+            for check in checks:
                 gm.graph.erase_node(check)
-                erased += 1
-        if not node.users and is_pure(gm, node):
             gm.graph.erase_node(node)
-            erased += 1
+            erased += len(checks) + 1
     return erased

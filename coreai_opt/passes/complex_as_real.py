@@ -114,7 +114,7 @@ def _method_rewrite(node: Node) -> Callable[[], None] | None:
     if name in _METHOD_DIM_ARG and all(len(args) > i and isinstance(args[i], int) for i in _METHOD_DIM_ARG[name]):
         return lambda: _retarget(node, name, change={i: _dim(args[i]) for i in _METHOD_DIM_ARG[name]})
     if name == "flatten" and len(args) <= 3 and all(isinstance(a, int) for a in args[1:]):
-        start, end = [*args[1:], 0, -1][:2] if len(args) == 1 else [*args[1:], -1][:2]
+        start, end = (*args[1:], 0, -1)[:2] if len(args) == 1 else (args[1], args[2] if len(args) == 3 else -1)
         return lambda: setattr(node, "args", (node.args[0], _dim(start), _dim(end)))
     if name in _METHOD_SHAPE and len(args) == 2 and isinstance(args[1], (list, tuple)):
         return lambda: _retarget(node, name, change={1: [*args[1], 2]})
@@ -168,8 +168,9 @@ def _rewrite(node: Node) -> Callable[[], None] | None:
     first = args[0][0] if target is aten.cat.default else args[0]
     if not _is_complex(first):
         return None
-    if target in _SAME:
-        return lambda: None
+    if target in _SAME:  # a copy or move; one that also casts (to complex128, to float) is not known here
+        casts = any(isinstance(a, torch.dtype) for a in [*args[1:], *node.kwargs.values()])
+        return None if casts else (lambda: None)
     if target in _DIM_ARG and all(len(args) > i and isinstance(args[i], int) for i in _DIM_ARG[target]):
         return lambda: _retarget(node, target, change={i: _dim(args[i]) for i in _DIM_ARG[target]})
     if target in _SHAPE_ARG and isinstance(args[1], (list, tuple)):
