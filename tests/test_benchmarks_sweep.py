@@ -30,6 +30,10 @@ def test_shrink_config_sets_every_size_field_the_config_has() -> None:
     assert bert.num_labels == SMALL_SIZES["num_labels"] and bert.vocab_size == VOCAB
     resnet = shrink_config(transformers.ResNetConfig())
     assert list(resnet.hidden_sizes) == [16, 32, 64, 128] and list(resnet.depths) == [1, 1, 1, 1]
+    # XLM / FlauBERT name their sizes emb_dim, n_layers, n_heads (left at 2048 x 12 layers they were 2.4 GB, and
+    # the peer's quantizer could not serialise them)
+    xlm = shrink_config(transformers.XLMConfig())
+    assert (xlm.emb_dim, xlm.n_layers, xlm.n_heads) == (32, 2, 2)
 
 
 def test_shrink_config_keeps_derived_widths_consistent() -> None:

@@ -32,7 +32,7 @@ SMALL_SIZES: dict[str, int] = {
     "decoder_ffn_dim": 64, "embed_dim": 32, "embedding_size": 32, "projection_dim": 32, "ffn_dim": 64,
     "num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
     "image_size": IMAGE, "patch_size": 8, "max_position_embeddings": 128, "num_labels": NUM_LABELS,
-    "rotary_dim": 8, "d_head": 16, "d_inner": 64,
+    "rotary_dim": 8, "d_head": 16, "d_inner": 64, "emb_dim": 32, "n_layers": 2, "n_heads": 2,
 }
 #: Rules by name suffix for the size fields a config family adds (first match wins): head widths (a rotary part
 #: half of it), low ranks, expert counts and groups; they keep every derived width consistent with ``head_dim`` 16.
@@ -43,7 +43,7 @@ PAD_ID, EOS_ID = 1, 2  # token ids the catalog's inputs never draw at random
 _STAGE_DEPTHS = ("depths", "layers", "num_layers_per_stage", "block_repeats", "block_sizes")
 _STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "dims", "widths", "hidden_dims")
 _STAGE_HEADS = ("num_heads", "num_attention_heads", "heads")
-_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "decoder_layers", "encoder_layers")
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers")
 
 
 def _field_values(config: Any) -> dict[str, Any]:
@@ -112,7 +112,8 @@ def _shrunk_fields(config: Any) -> dict[str, Any]:
     import transformers
 
     values = _field_values(config)
-    hidden = next((values[k] for k in ("hidden_size", "d_model", "n_embd") if isinstance(values.get(k), int)), None)
+    hidden = next((values[k] for k in ("hidden_size", "d_model", "n_embd", "emb_dim")
+                   if isinstance(values.get(k), int)), None)
     layers = next((values[k] for k in _LAYER_COUNTS if isinstance(values.get(k), int)), None)
     widths: dict[int, int] = {}
     changes: dict[str, Any] = {}
