@@ -34,6 +34,8 @@ def test_shrink_config_sets_every_size_field_the_config_has() -> None:
     # the peer's quantizer could not serialise them)
     xlm = shrink_config(transformers.XLMConfig())
     assert (xlm.emb_dim, xlm.n_layers, xlm.n_heads) == (32, 2, 2)
+    perceiver = shrink_config(transformers.PerceiverConfig())  # 26 self-attends of 1280-wide latents: a 272 MB file
+    assert (perceiver.d_latents, perceiver.num_latents, perceiver.num_self_attends_per_block) == (32, 16, 2)
 
 
 def test_shrink_config_keeps_derived_widths_consistent() -> None:

@@ -33,6 +33,8 @@ SMALL_SIZES: dict[str, int] = {
     "num_experts": 2, "num_local_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 32,
     "image_size": IMAGE, "patch_size": 8, "max_position_embeddings": 128, "num_labels": NUM_LABELS,
     "rotary_dim": 8, "d_head": 16, "d_inner": 64, "emb_dim": 32, "n_layers": 2, "n_heads": 2,
+    "d_latents": 32, "num_latents": 16, "num_self_attends_per_block": 2, "num_self_attention_heads": 2,
+    "num_cross_attention_heads": 2,
 }
 #: Rules by name suffix for the size fields a config family adds (first match wins): head widths (a rotary part
 #: half of it), low ranks, expert counts and groups; they keep every derived width consistent with ``head_dim`` 16.
