@@ -59,14 +59,17 @@ def _minilm(settings: Settings, section: SectionResult) -> None:
         prepared = minilm_ours.prepare_calibrate(m, config, example, batches)
         return minilm_ours.export(prepared, example, work / f"{name}.onnx")[1]
 
-    def auto() -> Path:
-        result = co.auto_quantize(model, batches, example, progress=False)
+    def auto(name: str, max_error: float | None = None) -> Path:
+        result = co.auto_quantize(model, batches, example, max_error=max_error, progress=False)
         report = result.report
-        notes["ours co.auto_quantize (defaults)"] = (
+        front = "; ".join(f"{p.latency_us / 1e3:.2f} ms → {p.predicted_error:.1e}" for p in report.front)
+        notes[name] = (
             f"{_choices(report)}; est. {report.latency_us / 1e3:.2f} ms of linears (all dynamic "
             f"{report.reference_latency_us.get('dynamic', float('nan')) / 1e3:.2f}, all static "
-            f"{report.reference_latency_us.get('static', float('nan')) / 1e3:.2f}); {report.seconds:.0f} s")
-        return _export(result.converted, example, work / "auto.onnx", output_names=["sentence_embedding"])
+            f"{report.reference_latency_us.get('static', float('nan')) / 1e3:.2f}); measured error "
+            f"{report.measured_error:.1e}; predicted front {front}; {report.seconds:.0f} s")
+        file = name.split("(")[1].split(")")[0].replace(" ", "_").replace("=", "")
+        return _export(result.converted, example, work / f"auto_{file}.onnx", output_names=["sentence_embedding"])
 
     search = smooth_quant(model, batches, example, alpha="search", insert_mul=True)
     static_sq = co.QuantizerConfig.presets.w8a8().set_op_kind("mul", None)
@@ -76,7 +79,8 @@ def _minilm(settings: Settings, section: SectionResult) -> None:
         "ours w8a8_dynamic + smooth_quant(α search, Mul)": lambda: ours("dyn_sq", w8a8_dynamic_config(), search.model),
         "ours w8a8 static": lambda: ours("static", co.QuantizerConfig.presets.w8a8()),
         "ours w8a8 static + smooth_quant": lambda: ours("static_sq", static_sq, search.model),
-        "ours co.auto_quantize (defaults)": auto,
+        "ours co.auto_quantize (defaults)": lambda: auto("ours co.auto_quantize (defaults)"),
+        "ours co.auto_quantize (max_error=2e-3)": lambda: auto("ours co.auto_quantize (max_error=2e-3)", 2e-3),
     }
     for name, build in builders.items():
         out = attempt(build, section, f"MiniLM {name}")

@@ -71,11 +71,9 @@ def run_auto(model: nn.Module, batches: list[tuple[Any, ...]], max_error: float 
              ) -> AutoOutcome:
     """Run :func:`coreai_opt.auto_quantize` on the calibration batches (example inputs: the first batch)."""
     import coreai_opt as co
-    from coreai_opt.api.algorithms.auto_quantize import DEFAULT_MAX_ERROR
 
-    try:
-        result = co.auto_quantize(model, batches, batches[0], max_error=max_error or DEFAULT_MAX_ERROR,
-                                  progress=progress)
+    try:  # no --max-error: auto_quantize's defaults (no slower than every linear dynamic)
+        result = co.auto_quantize(model, batches, batches[0], max_error=max_error, progress=progress)
     except ValueError as exc:
         raise CliError(f"--auto: {one_line(exc)}") from None
     if set(result.report.counts()) == {"float"}:

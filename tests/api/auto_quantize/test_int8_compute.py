@@ -23,6 +23,7 @@ from coreai_opt.api.algorithms.auto_quantize import recipe
 from coreai_opt.api.algorithms.auto_quantize.candidates import candidate_op_config
 from coreai_opt.api.algorithms.auto_quantize.output_error import model_outputs, relative_squared_error, unit_errors
 from coreai_opt.api.algorithms.auto_quantize.search import Option
+from coreai_opt.api.algorithms.auto_quantize.search_report import build_report
 from coreai_opt.api.algorithms.auto_quantize.units import find_units, layer_int8_compute
 from coreai_opt.onnx.verify.fusion_report import FLOAT_COMPUTE_OPS, INTEGER_COMPUTE_OPS, fusion_report, optimized_model
 from coreai_opt.quantization.matmul_nbits.int8_compute import int8_compute_activation
@@ -219,12 +220,13 @@ def test_int8_compute_behind_a_static_layer_loses_the_option_and_the_round_is_se
                    {"int8_compute": Option(0.0, 1.0), "static": Option(0.0, 2.0), "float": Option(0.0, 9.0)}]
         behind: list[int] = []
         candidates = list(co.api.algorithms.auto_quantize.CANDIDATES)
-        choices, prepared = recipe._assign_and_prepare(options, 1.0, candidates, units,
-                                                       {}, behind, (model, (batches[0],), None, "auto"))
+        choices, prepared, capped = recipe._assign_and_prepare(options, (1.0, None), candidates, units,
+                                                               {}, behind, (model, (batches[0],), None, "auto"))
     # b as int8_compute would read a's uint8 output: no MatMulNBits, a float Gemm behind DequantizeLinear
-    assert choices == ["static", "static"] and behind == [1] and "int8_compute" not in options[1]
+    assert choices == ["static", "static"] and behind == [1] and "int8_compute" not in options[1] and not capped
     assert layer_int8_compute(prepared) == {}
-    text = recipe._report(units, choices, options, {}, {}, table(), 1.0, 0.0, "x", "m", (), 0.0, ("b",)).table()
+    text = build_report(units, choices, options, {}, {}, table(), (1.0, None), 0.0, "x", "m", (), 0.0,
+                        ("b",)).table()
     assert "int8_compute dropped for b: the input is a static layer's 8-bit output" in text
 
 

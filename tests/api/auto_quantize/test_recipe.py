@@ -125,6 +125,9 @@ def test_auto_quantize_uses_eval_data_and_a_custom_metric(tiny):
     ({"candidates": ("static", "int4")}, "must be a subset of"),
     ({"candidates": ("float",)}, "at least one quantized format"),
     ({"eval_data": []}, "eval_data is empty"),
+    ({"latency": -1.0}, "latency must be None, a positive number of microseconds or a format name"),
+    ({"latency": "fastest"}, r"latency must be .*\(e\.g\. 'dynamic'"),
+    ({"latency": True}, "latency must be None"),
 ])
 def test_auto_quantize_rejects_bad_arguments_with_the_fix(tiny, kwargs, message):
     model, batches = tiny
@@ -200,3 +203,36 @@ def test_auto_quantize_takes_data_and_still_accepts_calibration_data_with_a_depr
     with pytest.raises(TypeError, match=r"^auto_quantize\(\) got both data= and calibration_data= \(its deprecated "
                                         r"name\); pass data= only$"):
         co.auto_quantize(model, batches, calibration_data=batches, **options)
+
+
+def test_auto_quantize_default_latency_bound_is_every_linear_dynamic(smoothed):
+    report = smoothed.report
+    assert report.latency_bound_us == pytest.approx(report.reference_latency_us["dynamic"], rel=1e-12)
+    assert report.latency_us <= report.latency_bound_us
+    assert report.front[0].latency_us <= report.latency_us <= report.front[-1].latency_us
+
+
+def test_auto_quantize_latency_bound_wins_over_max_error_and_the_report_says_so(tiny):
+    model, batches = tiny
+    # all static is the fastest assignment of LINES: the bound leaves no room for anything more accurate
+    result = co.auto_quantize(model, batches, (batches[0],), cost_table=table(), max_error=1e-12, latency="static",
+                              smooth=False, progress=False)
+    report = result.report
+    assert report.counts() == {"static": 4} and report.measured_error > 1e-12
+    assert report.latency_us == pytest.approx(report.reference_latency_us["static"], rel=1e-12)
+    assert "was not reached within the latency bound" in report.table()
+    # a bound in microseconds with room for the cheapest more accurate option of one unit: it is taken
+    extra = min(lat - u.latency_us for u in report.units for err, lat in u.alternatives.values()
+                if err < u.error and lat > u.latency_us)
+    loose = co.auto_quantize(model, batches, (batches[0],), cost_table=table(), max_error=1e-12,
+                             latency=report.latency_us + extra, smooth=False, progress=False)
+    assert report.latency_us < loose.report.latency_us <= report.latency_us + extra
+    assert sum(u.error for u in loose.report.units) < sum(u.error for u in report.units)
+
+
+def test_auto_quantize_front_is_in_the_json_report(smoothed):
+    import json
+
+    data = json.loads(smoothed.report.to_json())
+    assert [p["choices"] for p in data["front"]] == [list(p.choices) for p in smoothed.report.front]
+    assert "| front: latency µs | predicted error | choices |" in smoothed.report.table()

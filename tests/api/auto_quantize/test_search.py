@@ -1,6 +1,12 @@
 import pytest
 
-from coreai_opt.api.algorithms.auto_quantize.search import Option, greedy_assign
+from coreai_opt.api.algorithms.auto_quantize.search import (
+    Option,
+    greedy_assign,
+    latency_front,
+    most_accurate_within,
+    total,
+)
 
 ORDER = ["static", "dynamic", "int16", "float"]
 
@@ -45,3 +51,25 @@ def test_greedy_assign_is_deterministic_on_ties():
 def test_greedy_assign_rejects_unit_without_options():
     with pytest.raises(ValueError, match="at least one candidate"):
         greedy_assign([{}], 1.0, ORDER)
+
+
+def test_most_accurate_within_spends_the_latency_bound_on_the_largest_error_saved_per_microsecond():
+    # fastest: static ×3 (25 µs, error 0.82); with 3 µs of slack: unit 0 -> dynamic (+2 µs, -0.49), then unit 2 ->
+    # dynamic (+1 µs, -0.25); unit 1 -> dynamic (+2 µs) no longer fits
+    chosen = most_accurate_within(_units(), 28.0, ORDER)
+    assert chosen == ["dynamic", "static", "dynamic"]
+    assert total(_units(), chosen) == Option(pytest.approx(0.08), 28.0)
+
+
+def test_most_accurate_within_takes_the_fastest_options_when_even_they_exceed_the_bound():
+    assert most_accurate_within(_units(), 1.0, ORDER) == ["static", "static", "static"]
+    assert most_accurate_within(_units(), 1e9, ORDER) == ["float", "float", "float"]
+
+
+def test_latency_front_runs_from_fastest_to_zero_error_each_point_faster_or_more_accurate():
+    front = latency_front(_units(), ORDER, steps=8)
+    assert front[0].choices == ("static", "static", "static") and front[0].latency_us == 25.0
+    assert front[-1].choices == ("float", "float", "float") and front[-1].predicted_error == 0.0
+    for before, after in zip(front, front[1:], strict=False):
+        assert after.latency_us > before.latency_us and after.predicted_error < before.predicted_error
+        assert after.latency_us <= after.bound_us

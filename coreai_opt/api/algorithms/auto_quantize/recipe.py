@@ -1,12 +1,21 @@
 r"""``auto_quantize``: choose static, dynamic, int8_compute, int16 or float per layer by error and onnxruntime latency.
 
+Two targets, on the error ``E`` (``max_error``, default :data:`DEFAULT_MAX_ERROR`) and on the estimated latency of
+the linears / convolutions ``L`` (``latency``: microseconds, or a candidate's name for "every layer in that format
+where it applies, float elsewhere"). The answer is the fastest assignment whose measured error is ≤ ``E`` and whose
+estimate is ≤ ``L``; when none is, the most accurate one within ``L``. By default (neither given) ``L`` is
+``"dynamic"``: never slower than quantizing every linear dynamically, what onnxruntime's ``quantize_dynamic`` does;
+an explicit ``max_error`` alone lifts the latency bound (the fastest assignment meeting it, float if need be). The
+report's ``front`` lists the predicted trade-offs between the fastest and the slowest assignment.
+
 The recipe (each step a public function)::
 
     smooth_quant(alpha="search", insert_mul=True)      outlier migration, kept per site where it lowers the error
     for each candidate c: prepare(every layer c) → calibrate → [search_calibration] → error of each unit alone
     latency of each unit under each c                  cost table (onnxruntime micro-benchmarks, cached)
-    repeat ≤ 4 times: greedy_assign(budget) → prepare(choices) → calibrate → measure the real error;
-                      done when ≤ max_error, else budget ·= 0.8 · max_error / measured
+    repeat ≤ 4 times: greedy_assign(budget), or most_accurate_within(L) when that is over L
+                      → prepare(choices) → calibrate → measure the real error;
+                      done when ≤ E or bound by L, else budget ·= 0.8 · E / measured
                       (an int8_compute unit that reads a static layer's 8-bit output runs no MatMulNBits: it loses
                       the option and the round is searched again)
     prepare(chosen config) → calibrate(all calibration batches) → convert
@@ -43,8 +52,14 @@ from coreai_opt.api.algorithms.auto_quantize.output_error import (
     split_held_out,
     unit_errors,
 )
-from coreai_opt.api.algorithms.auto_quantize.search import Option, greedy_assign
-from coreai_opt.api.algorithms.auto_quantize.search_report import AutoQuantizeReport, SearchRound, UnitReport
+from coreai_opt.api.algorithms.auto_quantize.search import (
+    Option,
+    greedy_assign,
+    latency_front,
+    most_accurate_within,
+    total,
+)
+from coreai_opt.api.algorithms.auto_quantize.search_report import AutoQuantizeReport, SearchRound, build_report
 from coreai_opt.api.algorithms.auto_quantize.units import Unit, find_units, layer_int8_compute
 from coreai_opt.api.algorithms.calibration_search import search_calibration
 from coreai_opt.api.algorithms.smooth_quant import smooth_quant
@@ -55,10 +70,13 @@ from coreai_opt.api.prepare import prepare
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
 
-__all__ = ["DEFAULT_CANDIDATES", "DEFAULT_MAX_ERROR", "AutoQuantizeResult", "auto_quantize"]
+__all__ = ["DEFAULT_CANDIDATES", "DEFAULT_LATENCY", "DEFAULT_MAX_ERROR", "AutoQuantizeResult", "auto_quantize",
+           "latency_bound"]
 
 #: Default bound on the relative squared output error (≈ mean cosine 0.999 for normalised embeddings).
 DEFAULT_MAX_ERROR = 2e-3
+#: The latency bound when neither ``max_error`` nor ``latency`` is given: every linear dynamic (``quantize_dynamic``).
+DEFAULT_LATENCY = "dynamic"
 #: Candidates tried by default, in tie-break order.
 DEFAULT_CANDIDATES: tuple[str, ...] = ("static", "dynamic", "int8_compute", "int16", "float")
 #: The quantized candidates in measuring order: the first one measured defines the units (its input quantizers
@@ -143,9 +161,24 @@ def _range_choices(prepared: fx.GraphModule, units: Sequence[Unit], batches: lis
     return out
 
 
-def _check(max_error: float, candidates: Sequence[str], batches: list[Any]) -> None:
+def latency_bound(latency: float | str | None, units: Sequence[Unit], table: CostTable) -> float | None:
+    """``L`` in microseconds: ``latency`` itself, or the cost-table estimate of every unit in the named format.
+
+    A named format applies to the layer kinds it has (``"dynamic"``: linears), float to the others.
+    """
+    if latency is None or not isinstance(latency, str):
+        return latency
+    return sum(table.latency_us(kernel_kind(latency if unit.kind in CANDIDATES[latency].layer_kinds else "float",
+                                            layer.kind), layer.macs) for unit in units for layer in unit.layers)
+
+
+def _check(max_error: float, latency: float | str | None, candidates: Sequence[str], batches: list[Any]) -> None:
     if not (isinstance(max_error, (int, float)) and math.isfinite(max_error) and max_error > 0):
         raise ValueError(f"max_error must be a positive finite number (e.g. {DEFAULT_MAX_ERROR}), got {max_error!r}")
+    number = isinstance(latency, (int, float)) and not isinstance(latency, bool)
+    if not (latency is None or (number and math.isfinite(latency) and latency > 0) or latency in CANDIDATES):
+        raise ValueError(f"latency must be None, a positive number of microseconds or a format name from "
+                         f"{list(CANDIDATES)} (e.g. 'dynamic': no slower than every linear dynamic), got {latency!r}")
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown or not [c for c in candidates if c != "float"]:
         raise ValueError(f"candidates {list(candidates)} must be a subset of {list(CANDIDATES)} with at least one "
@@ -163,14 +196,15 @@ def auto_quantize(
     *,
     eval_data: Iterable[Any] | None = None,
     metric: Metric | None = None,
-    max_error: float = DEFAULT_MAX_ERROR,
+    max_error: float | None = None,
+    latency: float | str | None = None,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
     smooth: bool = True,
     cost_table: CostTable | None = None,
     example_kwargs: dict[str, Any] | None = None,
     progress: bool = True,
 ) -> AutoQuantizeResult:
-    """Pick a format per linear / conv so the model is as fast as the cost table says while its error ≤ max_error.
+    """Pick a format per linear / conv: the fastest within ``max_error`` and ``latency`` (module docstring).
 
     Args:
         model: The float model (not modified), in eval mode.
@@ -180,7 +214,11 @@ def auto_quantize(
         example_inputs: Positional example inputs (as for ``prepare``); latencies are estimated at their shape.
         eval_data: Batches to measure the errors on instead of the held-out split.
         metric: ``metric(outputs, references) -> float``; default relative squared error.
-        max_error: Bound on the metric for the returned model.
+        max_error: Bound on the metric for the returned model; None: :data:`DEFAULT_MAX_ERROR`.
+        latency: Bound on the estimated latency of the linears / convolutions: microseconds, or a format name
+            (``"dynamic"``, ``"static"``, ``"float"``, ...: every layer in that format where it applies). None:
+            :data:`DEFAULT_LATENCY` when ``max_error`` is None too, else no bound. Within the bound the most
+            accurate choices win when ``max_error`` cannot be met (the report says so).
         candidates: Formats to choose from, a subset of
         :data:`~coreai_opt.api.algorithms.auto_quantize.candidates.CANDIDATES`.
         smooth: Migrate activation outliers into the weights first (SmoothQuant, α searched per site).
@@ -192,12 +230,16 @@ def auto_quantize(
         :class:`AutoQuantizeResult` (``converted``, ``config``, ``model``, ``capture``, ``report``).
 
     Raises:
-        ValueError: bad ``max_error`` / ``candidates``, no calibration data, or no linear / conv to quantize.
+        ValueError: bad ``max_error`` / ``latency`` / ``candidates``, no calibration data, or no linear / conv to
+            quantize.
     """
     start = time.perf_counter()
     batches = list(data)
     candidates = tuple(candidates)
-    _check(max_error, candidates, batches)
+    if latency is None and max_error is None:
+        latency = DEFAULT_LATENCY
+    max_error = DEFAULT_MAX_ERROR if max_error is None else max_error
+    _check(max_error, latency, candidates, batches)
     if eval_data is None:
         calib, held = split_held_out(batches)
         source = (f"held-out calibration batches ({len(held)} of {len(batches)})" if held is not calib
@@ -252,14 +294,16 @@ def auto_quantize(
                 ranges = _range_choices(prepared, units, calib)
             errors[c] = unit_errors(prepared, units, held, references, metric_fn, tick=bar.update)
         options = _options(units, candidates, errors, table)
+        bound_us = latency_bound(latency, units, table)
         order = list(CANDIDATES)
         rounds: list[SearchRound] = []
         tried: list[tuple[list[str], fx.GraphModule, float]] = []
         budget = float(max_error)
         behind_static: list[int] = []
         for _ in range(_MAX_ROUNDS):
-            choices, prepared = _assign_and_prepare(options, budget, order, units, ranges, behind_static,
-                                                    (base, example_inputs, example_kwargs, capture))
+            choices, prepared, capped = _assign_and_prepare(options, (budget, bound_us), order, units, ranges,
+                                                            behind_static, (base, example_inputs, example_kwargs,
+                                                                            capture))
             predicted = sum(options[i][c].error for i, c in enumerate(choices))
             latency = sum(options[i][c].latency_us for i, c in enumerate(choices))
             calibrate(prepared, calib, progress=False)
@@ -267,29 +311,33 @@ def auto_quantize(
             bar.update()
             rounds.append(SearchRound(budget, predicted, error, latency))
             tried.append((choices, prepared, error))
-            if error <= max_error or all(c == "float" for c in choices):
+            if error <= max_error or capped or all(c == "float" for c in choices):
                 break
             budget = min(budget * 0.5, 0.8 * budget * max_error / error) if predicted > 0 else budget * 0.5
     finally:
         bar.close()
-    choices, prepared, error = min(tried, key=lambda t: (t[2] > max_error, _latency(options, t[0]) if t[2] <= max_error
-                                                         else t[2]))
+    choices, prepared, error = min(tried, key=lambda t: (t[2] > max_error, total(options, t[0]).latency_us
+                                                         if t[2] <= max_error else t[2]))
     config = _build_config(units, choices, ranges)
     if calib is not batches:  # the checked model saw only the calibration split: recalibrate on every batch
         prepared = _prepare(base, config, example_inputs, example_kwargs, capture)
         calibrate(prepared, batches, progress=False)
     converted = convert(prepared)
-    report = _report(units, choices, options, ranges, alphas, table, max_error, error, source,
-                     getattr(metric_fn, "__name__", type(metric_fn).__name__), tuple(rounds),
-                     time.perf_counter() - start, tuple(units[i].label for i in behind_static), refused)
+    report = build_report(units, choices, options, ranges, alphas, table, (max_error, bound_us), error, source,
+                          getattr(metric_fn, "__name__", type(metric_fn).__name__), tuple(rounds),
+                          time.perf_counter() - start, tuple(units[i].label for i in behind_static), refused,
+                          tuple(latency_front(options, order)))
     return AutoQuantizeResult(converted, config, base, capture, report)
 
 
-def _assign_and_prepare(options: list[dict[str, Option]], budget: float, order: Sequence[str],
+def _assign_and_prepare(options: list[dict[str, Option]], bounds: tuple[float, float | None], order: Sequence[str],
                         units: Sequence[Unit], ranges: dict[str, str], behind_static: list[int],
                         model_args: tuple[nn.Module, tuple[Any, ...], dict[str, Any] | None, str]
-                        ) -> tuple[list[str], fx.GraphModule]:
-    """``greedy_assign`` and ``prepare`` of its choices, until every int8_compute unit really runs ``MatMulNBits``.
+                        ) -> tuple[list[str], fx.GraphModule, bool]:
+    """The search and ``prepare`` of its choices, until every int8_compute unit really runs ``MatMulNBits``.
+
+    ``bounds`` = (error budget, latency bound or None): ``greedy_assign`` within the budget, replaced by
+    ``most_accurate_within`` the latency bound when its choices are over it (then the third value is True).
 
     A linear whose input is already an 8-bit quantized tensor (a static layer's requantized output) gets no
     ``Int8ComputeActivation`` from ``prepare`` and runs as a float kernel behind ``DequantizeLinear``, neither
@@ -297,14 +345,18 @@ def _assign_and_prepare(options: list[dict[str, Option]], budget: float, order: 
     ``behind_static``, in place, with ``options``) and the assignment is searched again.
     """
     base, example_inputs, example_kwargs, capture = model_args
+    budget, bound_us = bounds
     while True:
         choices = greedy_assign(options, budget, order)
+        capped = bound_us is not None and total(options, choices).latency_us > bound_us
+        if capped:
+            choices = most_accurate_within(options, bound_us, order)
         prepared = _prepare(base, _build_config(units, choices, ranges), example_inputs, example_kwargs, capture)
         emulated = layer_int8_compute(prepared)
         blocked = [i for i, c in enumerate(choices)
                    if c == "int8_compute" and not all(name in emulated for name in units[i].names)]
         if not blocked:
-            return choices, prepared
+            return choices, prepared, capped
         for i in blocked:
             del options[i]["int8_compute"]
             behind_static.append(i)
@@ -319,10 +371,6 @@ def _can_win(candidate: str, candidates: Sequence[str], table: CostTable) -> boo
         if line.overhead_us < fp.overhead_us or line.macs_per_us > fp.macs_per_us:
             return True
     return False
-
-
-def _latency(options: Sequence[dict[str, Option]], choices: Sequence[str]) -> float:
-    return sum(options[i][c].latency_us for i, c in enumerate(choices))
 
 
 def _options(units: Sequence[Unit], candidates: Sequence[str], errors: dict[str, list[float | None]],
@@ -341,41 +389,3 @@ def _options(units: Sequence[Unit], candidates: Sequence[str], errors: dict[str,
         out.append(options or {"float": Option(0.0, sum(table.latency_us(kernel_kind("float", layer.kind), layer.macs)
                                                         for layer in unit.layers))})
     return out
-
-
-def _report(units: Sequence[Unit], choices: Sequence[str], options: Sequence[dict[str, Option]],
-            ranges: dict[str, str], alphas: dict[str, float], table: CostTable, max_error: float, error: float,
-            source: str, metric: str, rounds: tuple[SearchRound, ...], seconds: float,
-            behind_static: tuple[str, ...] = (), refused: dict[str, str] | None = None) -> AutoQuantizeReport:
-    rows = []
-    for unit, choice, opts in zip(units, choices, options, strict=True):
-        alpha = next((alphas[n] for n in unit.names if n in alphas), None)
-        rows.append(UnitReport(unit.names, unit.kind, choice, opts[choice].error, opts[choice].latency_us,
-                               {c: (o.error, o.latency_us) for c, o in opts.items()},
-                               ranges.get(unit.label) if CANDIDATES[choice].calibrated else None, alpha))
-    reference = {}
-    for c in ("float", "dynamic", "static"):
-        if all(c in o or "float" in o for o in options):
-            reference[c] = sum((o[c] if c in o else o["float"]).latency_us for o in options)
-    notes = []
-    notes += [f"not measured: {c} (prepare refused it: {why})" for c, why in (refused or {}).items()]
-    skipped = [c for c in CANDIDATES if c != "float" and not any(c in o for o in options) and c not in (refused or {})]
-    if skipped:
-        notes.append(f"not measured: {', '.join(skipped)} (not allowed, or its cost-table line is nowhere below "
-                     "float's, so float, with zero error, is always at least as good)")
-    if behind_static:
-        notes.append(f"int8_compute dropped for {', '.join(behind_static)}: the input is a static layer's 8-bit "
-                     "output, which MatMulNBits cannot read (the layer would run in float behind DequantizeLinear)")
-    if error > max_error:
-        notes.append(f"max_error {max_error:.3e} was not reached: the best measured error is {error:.3e}; "
-                     "raise max_error or allow more candidates")
-    floats = [r for r in rows if r.choice == "float"]
-    fastest = [r for r in floats if all(r.latency_us <= lat for _, lat in r.alternatives.values())]
-    if fastest:
-        notes.append(f"kept float because float is the fastest kernel at their size: "
-                     f"{', '.join(r.layers[0] + ('…' if len(r.layers) > 1 else '') for r in fastest)}")
-    if len(floats) > len(fastest):
-        notes.append(f"{len(floats) - len(fastest)} unit(s) kept float: the error of every faster format did not "
-                     "fit the budget")
-    return AutoQuantizeReport(tuple(rows), max_error, error, source, metric, _latency(options, choices), reference,
-                              table.key, rounds, seconds, tuple(notes))
