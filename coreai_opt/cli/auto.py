@@ -23,7 +23,8 @@ from coreai_opt.onnx.export.save import write_text_atomically
 if TYPE_CHECKING:
     from torch import fx, nn
 
-__all__ = ["AutoOutcome", "auto_paths", "check_auto_options", "parse_max_error", "run_auto", "write_auto_files"]
+__all__ = ["AutoOutcome", "auto_paths", "check_auto_options", "parse_max_error", "parse_max_latency", "run_auto",
+           "write_auto_files"]
 
 #: Options ``--auto`` replaces (it runs SmoothQuant and the calibration search itself).
 _REPLACED = (("smoothquant", "--smoothquant"), ("search_calibration", "--search-calibration"),
@@ -51,15 +52,32 @@ def parse_max_error(text: str) -> float:
     return value
 
 
+def parse_max_latency(text: str) -> float | str:
+    """``--max-latency`` value: positive microseconds, or a format name (argparse ``type=``)."""
+    from coreai_opt.api.algorithms.auto_quantize import CANDIDATES
+
+    if text in CANDIDATES:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected positive microseconds such as 1500 or a format name from "
+                                         f"{', '.join(CANDIDATES)} (e.g. dynamic), got {text!r}")
+    return value
+
+
 def check_auto_options(args: argparse.Namespace) -> None:
-    """Refuse ``--max-error`` without ``--auto`` and the options ``--auto`` replaces.
+    """Refuse ``--max-error`` / ``--max-latency`` without ``--auto`` and the options ``--auto`` replaces.
 
     Raises:
         CliError: naming the option and what to do instead.
     """
     if not args.auto:
-        if args.max_error is not None:
-            raise CliError("--max-error only applies with --auto; add --auto or drop --max-error")
+        for value, flag in ((args.max_error, "--max-error"), (getattr(args, "max_latency", None), "--max-latency")):
+            if value is not None:
+                raise CliError(f"{flag} only applies with --auto; add --auto or drop {flag}")
         return
     for attr, flag in _REPLACED:
         if getattr(args, attr, None):
@@ -67,13 +85,14 @@ def check_auto_options(args: argparse.Namespace) -> None:
                            f"included); drop {flag}")
 
 
-def run_auto(model: nn.Module, batches: list[tuple[Any, ...]], max_error: float | None, progress: bool
-             ) -> AutoOutcome:
+def run_auto(model: nn.Module, batches: list[tuple[Any, ...]], max_error: float | None, progress: bool,
+             max_latency: float | str | None = None) -> AutoOutcome:
     """Run :func:`coreai_opt.auto_quantize` on the calibration batches (example inputs: the first batch)."""
     import coreai_opt as co
 
-    try:  # no --max-error: auto_quantize's defaults (no slower than every linear dynamic)
-        result = co.auto_quantize(model, batches, batches[0], max_error=max_error, progress=progress)
+    try:  # neither bound given: auto_quantize's defaults (never estimated slower than every linear dynamic)
+        result = co.auto_quantize(model, batches, batches[0], max_error=max_error, latency=max_latency,
+                                  progress=progress)
     except ValueError as exc:
         raise CliError(f"--auto: {one_line(exc)}") from None
     if set(result.report.counts()) == {"float"}:

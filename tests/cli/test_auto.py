@@ -64,9 +64,31 @@ def test_quantize_auto_refuses_to_write_a_float_model(capsys, tmp_path):
     assert not (tmp_path / "tiny.onnx").exists()
 
 
-def test_quantize_max_error_needs_auto(capsys, tmp_path):
-    line = one_line_error(capsys, "quantize", "m.py:make", "--input-shape", "1,4", "--max-error", "0.01")
-    assert line == "coreai-opt quantize: error: --max-error only applies with --auto; add --auto or drop --max-error"
+@pytest.mark.parametrize("flag", [["--max-error", "0.01"], ["--max-latency", "dynamic"]])
+def test_quantize_auto_bounds_need_auto(capsys, flag):
+    line = one_line_error(capsys, "quantize", "m.py:make", "--input-shape", "1,4", *flag)
+    assert line == f"coreai-opt quantize: error: {flag[0]} only applies with --auto; add --auto or drop {flag[0]}"
+
+
+def test_quantize_auto_max_latency_bounds_the_search_and_the_json_records_it(tmp_path):
+    (tmp_path / "tf.py").write_text(TRANSFORMER)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COREAI_OPT_CACHE_DIR", str(plant_cost_table(tmp_path / "cache").parent))
+        code = main(["quantize", f"{tmp_path / 'tf.py'}:make", "--input", "tokens:int64:4,32:0-49", "-o",
+                     str(tmp_path / "tf.onnx"), "--auto", "--max-error", "1e-9", "--max-latency", "dynamic",
+                     "--latency-runs", "0", "--quiet"])
+    data = json.loads((tmp_path / "tf.auto.json").read_text())
+    assert code == 0 and data["latency_bound_us"] == pytest.approx(data["reference_latency_us"]["dynamic"])
+    assert data["latency_us"] <= data["latency_bound_us"] and data["measured_error"] > 1e-9
+    assert "was not reached within the latency bound" in (tmp_path / "tf.auto.txt").read_text()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "fastest"])
+def test_quantize_max_latency_must_be_microseconds_or_a_format(capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize", "m.py:make", "--input-shape", "1,4", "--auto", "--max-latency", value])
+    assert exc.value.code == 2
+    assert "expected positive microseconds such as 1500 or a format name from static" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", [["--smoothquant"], ["--search-calibration"], ["--keep-float-top", "1"]])

@@ -110,7 +110,11 @@ def add_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> argpa
                       "float per layer by measured error and onnxruntime latency (co.auto_quantize; writes "
                       "OUTPUT.auto.txt/.json/.yaml)")
     tune.add_argument("--max-error", type=auto.parse_max_error, metavar="X", help="with --auto: the largest "
-                      "relative squared output error on held-out calibration batches (default 0.003)")
+                      "relative squared output error on held-out calibration batches (default 0.002)")
+    tune.add_argument("--max-latency", type=auto.parse_max_latency, metavar="US|FORMAT", help="with --auto: bound "
+                      "on the estimated latency of the linears / convolutions, microseconds or a format name "
+                      "(dynamic = every linear dynamic); within it the most accurate choices win when --max-error "
+                      "cannot hold. Default: dynamic when --max-error is not given, else no bound")
     return parser
 
 
@@ -172,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if args.auto:
         if random_warning:
             console.warn(random_warning)
-        outcome = auto.run_auto(model, batches, args.max_error, progress)
+        outcome = auto.run_auto(model, batches, args.max_error, progress, args.max_latency)
         converted, model = outcome.converted, outcome.model
         opset = check_opset_for_model(args.opset, converted, console)
         tuning_notes["auto (layers per format)"] = outcome.report.counts()
