@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import coreai_opt as co
-from benchmarks.export_cost.run import same_axes, write_table
+from benchmarks.common.onnx_utils import same_axes
+from benchmarks.export_cost.run import write_table
 
 
 class _Tokens(nn.Module):

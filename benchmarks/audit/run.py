@@ -6,8 +6,10 @@ The page shows the latest row of every model and, per label, the median and wors
 label measured (so a "before" and an "after" run can be compared on the same models).
 
 Per model: the corpus pipeline's calibration and evaluation batches (:class:`benchmarks.corpus.runner.RunOptions`),
-ours = ``QuantizerConfig.presets.w8a8()`` → calibrate → convert → ``export_onnx``; peer = float dynamo export →
-``quant_pre_process`` → ``quantize_static`` (QDQ, per-channel, U8S8, MinMax) on the same batches. Each file's
+ours = ``QuantizerConfig.presets.w8a8()`` → calibrate → convert → ``export_onnx``; peer = float dynamo export with
+the same dynamic axes as our file (batch, and the sequence of token models: a file fixed to one sequence length
+folds its shape arithmetic away, which ours cannot) → ``quant_pre_process`` → ``quantize_static`` (QDQ,
+per-channel, U8S8, MinMax) on the same batches. Each file's
 optimized graph (``ORT_ENABLE_ALL``, 1 thread) is read by :func:`benchmarks.audit.census.census`. Latency: batch 1,
 1 thread, the two files timed in alternation (:func:`benchmarks.common.latency.measure`); the ratio is the median of
 ours over the median of the peer, its spread the 25th–75th percentile of the per-round ratios (each round: the median
@@ -70,7 +72,7 @@ def audit_model(name: str, family: str, entry: CorpusModel, work: Path, rounds: 
     import coreai_opt as co
     from benchmarks.audit.census import census
     from benchmarks.common.latency import measure
-    from benchmarks.common.onnx_utils import session
+    from benchmarks.common.onnx_utils import same_axes, session
     from benchmarks.corpus.runner import (
         RunOptions,
         eager_outputs,
@@ -103,7 +105,7 @@ def audit_model(name: str, family: str, entry: CorpusModel, work: Path, rounds: 
             row["seconds"]["export"] = time.perf_counter() - t
         stage = "peer"
         t = time.perf_counter()
-        export_float(model, calib[0], names, work / "float.onnx")
+        export_float(model, calib[0], names, work / "float.onnx", same_axes(files["ours"]))
         row["seconds"]["float_export"] = time.perf_counter() - t
         quantize_static_peer(work / "float.onnx", names, calib, files["peer"])
         stage = "measure"

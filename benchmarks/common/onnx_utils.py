@@ -1,10 +1,11 @@
-"""ONNX helpers shared by the benchmark sections: float export, onnxruntime sessions and predict functions."""
+"""ONNX helpers shared by the benchmark sections: float export and its axes, onnxruntime sessions, predictors."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -13,6 +14,20 @@ import torch
 from torch import Tensor, nn
 
 FLOAT_OPSET = 20
+
+
+def same_axes(path: Path) -> tuple[dict[int, Any], ...]:
+    """``dynamic_shapes`` for ``torch.onnx.export`` making dynamic exactly the input dimensions ``path`` names."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {t.name for t in graph.initializer}
+    dims: dict[str, Any] = {}
+    shapes = []
+    for value in graph.input:
+        if value.name in initializers:
+            continue
+        named = {i: d.dim_param for i, d in enumerate(value.type.tensor_type.shape.dim) if d.dim_param}
+        shapes.append({i: dims.setdefault(name, torch.export.Dim(name)) for i, name in named.items()})
+    return tuple(shapes)
 
 
 def export_float(model: nn.Module, example: Tensor, path: Path, input_name: str = "input") -> Path:

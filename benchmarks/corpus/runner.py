@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -178,14 +179,16 @@ def eager_outputs(model: nn.Module, batches: Sequence[Batch]) -> list[np.ndarray
         return [model(*b).detach().numpy() for b in batches]
 
 
-def export_float(model: nn.Module, example: Batch, names: Sequence[str], path: Path) -> Path:
-    """Float dynamo export with a dynamic batch dimension shared by every input, weights inside the file."""
+def export_float(model: nn.Module, example: Batch, names: Sequence[str], path: Path,
+                 dynamic_shapes: tuple[dict[int, Any], ...] | None = None) -> Path:
+    """Float dynamo export, weights inside the file; dynamic axes ``dynamic_shapes`` (default: a batch dimension
+    shared by every input)."""
     batch = torch.export.Dim("batch")
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, example, str(path), dynamo=True, opset_version=FLOAT_OPSET, external_data=False,
                           verbose=False, input_names=list(names), output_names=["output"],
-                          dynamic_shapes=tuple({0: batch} for _ in example))
+                          dynamic_shapes=dynamic_shapes or tuple({0: batch} for _ in example))
     return path
 
 

@@ -4,8 +4,8 @@ Issue 29 asks ``export_onnx`` to take at most 1.5x a float dynamo export, median
 is taken against must make the same shapes dynamic: a symbolic axis costs torch's exporter most of its time
 (symbolic shape arithmetic in ``torch.export`` and ``run_decompositions``), so comparing our dynamic batch and
 sequence with a float export that fixes the sequence inflates the ratio. Here the float export's
-``dynamic_shapes`` are read from our file (:func:`same_axes`: every input dimension our file names is a
-``torch.export.Dim`` of that name in the float export, so shared names stay shared).
+``dynamic_shapes`` are read from our file (:func:`benchmarks.common.onnx_utils.same_axes`: every input dimension our
+file names is a ``torch.export.Dim`` of that name in the float export, so shared names stay shared).
 
 Per model: the corpus pipeline's calibration batches (:class:`benchmarks.corpus.runner.RunOptions`), ours =
 ``QuantizerConfig.presets.w8a8()`` -> calibrate -> convert; one untimed ``export_onnx`` (warm-up, and the file
@@ -24,10 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.onnx_utils import same_axes
 from benchmarks.common.results_file import append_row, read_rows, write_part
 from benchmarks.common.study import BENCHMARKS, quiet_libraries
 
-__all__ = ["EXPORT_GOAL", "configure", "export_cost", "main", "same_axes", "write_table"]
+__all__ = ["EXPORT_GOAL", "configure", "export_cost", "main", "write_table"]
 
 FOLDER = BENCHMARKS / "export_cost"
 #: Issue 29: export_onnx <= 1.5x the float export, median and worst.
@@ -42,23 +43,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=FOLDER / "RESULTS.md", help="markdown page")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/coreai_opt_export_cost"), help="the files")
     parser.add_argument("--table", action="store_true", help="only rewrite the page from the rows file")
-
-
-def same_axes(path: Path) -> tuple[dict[int, Any], ...]:
-    """``dynamic_shapes`` for ``torch.onnx.export`` making dynamic exactly the input dimensions ``path`` names."""
-    import onnx
-    import torch
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    initializers = {t.name for t in graph.initializer}
-    dims: dict[str, Any] = {}
-    shapes = []
-    for value in graph.input:
-        if value.name in initializers:
-            continue
-        named = {i: d.dim_param for i, d in enumerate(value.type.tensor_type.shape.dim) if d.dim_param}
-        shapes.append({i: dims.setdefault(name, torch.export.Dim(name)) for i, name in named.items()})
-    return tuple(shapes)
 
 
 def _float_export(model: Any, example: Sequence[Any], names: Sequence[str], axes: tuple[dict[int, Any], ...],

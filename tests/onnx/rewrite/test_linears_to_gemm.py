@@ -141,13 +141,11 @@ LEADS = {  # symbolic / static leading dims -> concrete leading shapes to run
 }
 
 
-@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("output_q", [True, False])
 @pytest.mark.parametrize("lead_name", list(LEADS))
-def test_rewrite_is_value_identical_for_any_leading_shape(tmp_path: Path, lead_name: str, bias: bool,
-                                                         output_q: bool) -> None:
+def test_rewrite_is_value_identical_for_any_leading_shape(tmp_path: Path, lead_name: str, output_q: bool) -> None:
     lead, concrete_leads = LEADS[lead_name]
-    model = _linear_graph(lead, bias, output_q)
+    model = _linear_graph(lead, True, output_q)
     rewritten, ops = _rewrite_checked(model, expected_rewrites=1)
     assert ops["Gemm"] == 1 and ops["MatMul"] == 0 and ops["Add"] == 0
     symbolic = sum(isinstance(d, str) for d in lead)
@@ -162,9 +160,24 @@ def test_rewrite_is_value_identical_for_any_leading_shape(tmp_path: Path, lead_n
         np.testing.assert_array_equal(after, before)
         if output_q:  # onnxruntime's integer QGemm: the same step grid as its MatMul path, within one step
             np.testing.assert_allclose(after_optimized, before_optimized, rtol=0, atol=0.04 + 1e-6)
-    if output_q and bias:
+    if output_q:
         assert fusion_report(save(rewritten, tmp_path / "m.onnx")).integer_compute == {"QGemm": 1}
     assert_idempotent(rewritten, RULE)
+
+
+@pytest.mark.parametrize("output_q", [True, False])
+def test_linears_without_bias_keep_matmul_without_a_reason(tmp_path: Path, output_q: bool) -> None:
+    """No bias to fuse: onnxruntime runs DQ -> MatMul -> Q as QLinearMatMul (DQ -> MatMul as MatMulIntegerToFloat)
+    on the 3-D input as it is; the reshapes of a Gemm would only add kernels (hf-llama: 26 more, 1.08x -> 1.02x
+    quantize_static's latency)."""
+    model = _linear_graph(["b", "s"], False, output_q)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(model)
+    report = apply(rewritten, [RULE, CollapseReshapes()])
+    assert not report.counts.get(RULE.name) and not report.skipped
+    assert rewritten.SerializeToString() == model.SerializeToString()
+    fused = "QLinearMatMul" if output_q else "MatMulIntegerToFloat"
+    assert fusion_report(save(rewritten, tmp_path / "m.onnx")).integer_compute == {fused: 1}
 
 
 def _replace_initializer(model: onnx.ModelProto, name: str, value: np.ndarray) -> None:
