@@ -227,6 +227,26 @@ def test_the_childs_budget_alarm_interrupts_the_running_stage_and_names_it() -> 
                                        "export", 1, 0)]
 
 
+@pytest.mark.parametrize("stage", ["ort_float_export", "export"])
+def test_a_budget_running_out_in_the_peers_stages_keeps_our_row_and_in_ours_ends_it(
+        stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.corpus import runner
+    from benchmarks.sweep.run import BudgetExceeded, _run_one
+
+    def out_of_budget(*args: object, **kwargs: object) -> None:
+        raise BudgetExceeded(f"over the 580 s budget of the child in {stage}", stage)
+
+    monkeypatch.setattr(runner, "export_float" if stage == "ort_float_export" else "_ours", out_of_budget)
+    name = DEFAULT_SWEEP_MODELS[0]
+    if stage != "ort_float_export":
+        with pytest.raises(BudgetExceeded):
+            _run_one(name, tmp_path)
+        return
+    row = _run_one(name, tmp_path)  # ours ran to the end first: the peer's timeout is the peer's failure
+    assert row["end_to_end_ok"] and row["sqnr_ours"] > 0 and row["sqnr_ort"] is None
+    assert row["ort_error"] == "BudgetExceeded: over the 580 s budget of the child in ort_float_export"
+
+
 def test_the_childs_memory_watch_ends_it_with_a_memory_row_naming_the_stage() -> None:
     import subprocess
     import sys

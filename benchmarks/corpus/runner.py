@@ -250,10 +250,14 @@ def _ours(entry: CorpusModel, model: nn.Module, calib: list[Batch], evals: list[
     return converted
 
 
-def run_corpus_model(entry: CorpusModel, work_dir: Path, options: RunOptions = RunOptions()) -> CorpusRow:
-    """Measure ``entry`` (see the module docstring); never raises for a failing stage, the row records it."""
+def run_corpus_model(entry: CorpusModel, work_dir: Path, options: RunOptions = RunOptions(),
+                     row: CorpusRow | None = None) -> CorpusRow:
+    """Measure ``entry`` (see the module docstring); never raises for a failing stage, the row records it.
+
+    ``row``: the row to fill (a caller that may interrupt the run keeps what was measured); default a new one.
+    """
     work_dir.mkdir(parents=True, exist_ok=True)
-    row = CorpusRow(entry.name, entry.family)
+    row = row if row is not None else CorpusRow(entry.name, entry.family)
     timer = _Timer(row.seconds)
     torch.manual_seed(options.seed)
     try:

@@ -46,9 +46,17 @@ STAGE_FUNCTIONS = {"build": "build", "prepare": "prepare", "calibrate": "calibra
                    "_quantize_static": "ort_quantize"}
 
 
+#: Stages of the peer (``quantize_static``'s side), run after ours: a budget that runs out there leaves our row whole.
+PEER_STAGES = frozenset({"ort_float_export", "ort_quantize"})
+
+
 class BudgetExceeded(BaseException):
     """Raised in the child by its alarm. A ``BaseException`` (as ``KeyboardInterrupt``), so that no ``except
     Exception`` of the library or the runner turns it into a failure of the stage it interrupted."""
+
+    def __init__(self, message: str, stage: str = "-") -> None:
+        super().__init__(message)
+        self.stage = stage
 
 
 def running_stage(frame: object) -> str:
@@ -63,7 +71,8 @@ def start_budget_alarm(seconds: float) -> None:
     """From now on, raise :class:`BudgetExceeded` naming the running stage after ``seconds`` (SIGALRM)."""
 
     def expire(signum: int, frame: object) -> None:
-        raise BudgetExceeded(f"over the {seconds:.0f} s budget of the child in {running_stage(frame)}")
+        stage = running_stage(frame)
+        raise BudgetExceeded(f"over the {seconds:.0f} s budget of the child in {stage}", stage)
 
     signal.signal(signal.SIGALRM, expire)
     signal.alarm(max(1, int(seconds)))
@@ -95,11 +104,19 @@ def start_memory_watch(name: str, limit_gib: float) -> None:
 
 
 def _run_one(name: str, out: Path) -> dict[str, object]:
-    from benchmarks.corpus.runner import RunOptions, run_corpus_model
+    """The row of one model. A budget that runs out in the peer's stages (after ours finished) is the peer's
+    failure: our stages stay measured and the row records it as ``ort_error``."""
+    from benchmarks.corpus.runner import CorpusRow, RunOptions, run_corpus_model
     from benchmarks.sweep.catalog import entry_named
 
     entry = entry_named(name)
-    row = run_corpus_model(entry, out / "work", RunOptions(calib_batches=2, eval_batches=2))
+    row = CorpusRow(entry.name, entry.family)
+    try:
+        run_corpus_model(entry, out / "work", RunOptions(calib_batches=2, eval_batches=2), row=row)
+    except BudgetExceeded as exc:
+        if exc.stage not in PEER_STAGES:
+            raise
+        row.ort_error = f"BudgetExceeded: {exc}"
     record = dataclasses.asdict(row)
     record["end_to_end_ok"] = row.end_to_end_ok
     return record
