@@ -36,6 +36,8 @@ def test_shrink_config_sets_every_size_field_the_config_has() -> None:
     assert (xlm.emb_dim, xlm.n_layers, xlm.n_heads) == (32, 2, 2)
     perceiver = shrink_config(transformers.PerceiverConfig())  # 26 self-attends of 1280-wide latents: a 272 MB file
     assert (perceiver.d_latents, perceiver.num_latents, perceiver.num_self_attends_per_block) == (32, 16, 2)
+    falcon_h1 = shrink_config(transformers.AutoConfig.for_model("falcon_h1"))  # 128 SSM heads x 256 states: 8 GiB
+    assert (falcon_h1.mamba_n_heads, falcon_h1.mamba_d_ssm, falcon_h1.mamba_d_state) == (4, 32, 16)
 
 
 def test_shrink_config_keeps_derived_widths_consistent() -> None:

@@ -34,7 +34,8 @@ SMALL_SIZES: dict[str, int] = {
     "image_size": IMAGE, "patch_size": 8, "max_position_embeddings": 128, "num_labels": NUM_LABELS,
     "rotary_dim": 8, "d_head": 16, "d_inner": 64, "emb_dim": 32, "n_layers": 2, "n_heads": 2,
     "d_latents": 32, "num_latents": 16, "num_self_attends_per_block": 2, "num_self_attention_heads": 2,
-    "num_cross_attention_heads": 2,
+    "num_cross_attention_heads": 2, "mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_state": 16,
+    "mamba_chunk_size": 16,
 }
 #: Rules by name suffix for the size fields a config family adds (first match wins): head widths (a rotary part
 #: half of it), low ranks, expert counts and groups; they keep every derived width consistent with ``head_dim`` 16.
