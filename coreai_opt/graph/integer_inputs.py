@@ -37,6 +37,11 @@ def integer_input_derived(gm: GraphModule) -> set[Node]:
     derived: their range grows with the position, so a range calibrated on prompts of length ``T`` clips every
     position past ``T`` (measured: a Llama-style decoder calibrated on 132 positions scored +0.3 to +0.43 nats per
     token beyond them in w8a8, +0.002 before).
+
+    An op with several tensor outputs (``split`` of a fused q / k / v projection, ``chunk``, ``unbind``) passes its
+    state on to the ``getitem`` of each output. Left neutral, it made GPT-2's attention scores neither data nor
+    derived: the masked softmax reading them and the causal mask counted as derived, so its attention output, and
+    with it ``c_proj``'s input, stayed float (``c_proj`` ran as a weight-only ``MatMulNBits``).
     """
     derived: set[Node] = set()
     data: set[Node] = set()
@@ -44,7 +49,9 @@ def integer_input_derived(gm: GraphModule) -> set[Node]:
         if node.op == "placeholder":
             (data if is_float_tensor(node, gm) else derived).add(node)
             continue
-        if node.op in ("get_attr", "output") or tensor_info(node) is None:
+        if node.op in ("get_attr", "output"):
+            continue
+        if tensor_info(node) is None and not _tensors_out(node):
             continue  # sizes (``tokens.shape[1]``) are neutral: a parameter sliced to the length is data
         inputs = node.all_input_nodes
         if any(n in data for n in inputs) or get_meta(node).kind in WEIGHTED_KINDS:
@@ -52,3 +59,11 @@ def integer_input_derived(gm: GraphModule) -> set[Node]:
         elif any(n in derived for n in inputs):
             derived.add(node)
     return derived
+
+
+def _tensors_out(node: Node) -> bool:
+    """True when ``node`` returns a tuple / list of tensors (read through ``getitem``)."""
+    val = node.meta.get("val")
+    if val is None:
+        val = node.meta.get("tensor_meta")
+    return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) or hasattr(v, "dtype") for v in val)

@@ -198,3 +198,38 @@ def test_tensors_computed_from_integer_positions_stay_float_so_longer_inputs_are
     assert [n.args[0].name for n in prepared.graph.nodes if n.op == "call_module" and n.args[0] in derived] == []
     embedding_quantizers = [n for n in prepared.graph.nodes if n.op == "call_module" and "embed_tokens" in n.target]
     assert embedding_quantizers  # the token embedding (a lookup by integer ids) is data, still quantized
+
+
+class _FusedQkvAttention(nn.Module):
+    """GPT-2's layout: one linear makes q, k and v (``split``), the scores are masked by ``attention_mask``."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        scores = torch.where(attention_mask[:, None, :].bool(), scores, torch.finfo(scores.dtype).min)
+        return self.out(scores.softmax(-1) @ v)
+
+
+def test_outputs_of_a_split_linear_are_data_so_masked_attention_and_its_output_linear_stay_quantized():
+    """The getitems of ``split`` inherit the linear's data: before, they were neutral, the masked scores counted
+    as derived from the mask alone and GPT-2's ``c_proj`` ran weight-only (11 integer kernels against
+    quantize_static's 13)."""
+    import coreai_opt as co
+    from coreai_opt.graph.integer_inputs import integer_input_derived
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.int64)
+    prepared = co.prepare(_FusedQkvAttention().eval(), W8A8(), (x, mask), capture="export")
+    derived = integer_input_derived(prepared)
+    assert {n.target for n in derived if n.op == "call_function"} <= {
+        torch.ops.aten.slice.Tensor, torch.ops.aten.unsqueeze.default, torch.ops.aten.to.dtype,
+        torch.ops.aten._to_copy.default}  # the mask's own moves and cast only
+    out = next(n for n in prepared.graph.nodes
+               if get_meta(n).module_name == "out" and get_meta(n).kind is OpKind.LINEAR)
+    assert all(a.op == "call_module" for a in out.args[:1]), out.args  # its input is a quantizer's output
+    assert not [get_meta(n).float_reason for n in prepared.graph.nodes
+                if "integer inputs" in (get_meta(n).float_reason or "")]
