@@ -25,6 +25,7 @@ post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per
 15. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
     kernels it has no 4-bit form of;
 16. ``clip_16bit_activations``: an explicit Clip before every 16-bit activation Q (OpenVINO drops their clamp);
+17. ``shapes_from_quantized``: ``Shape`` of a quantized activation reads its ``QuantizeLinear`` (so it fuses);
 
 -> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
 (:mod:`coreai_opt.onnx.rewrite.rewrite_report`) -> keep only the ``namespace`` entry of the exporter's per-node debug

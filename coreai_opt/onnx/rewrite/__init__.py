@@ -36,6 +36,8 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 20. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
 21. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
     ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
+22. ``shapes_from_quantized``: ``Shape`` / ``Size`` of a quantized activation reads its ``QuantizeLinear``'s output,
+    so the float output keeps one reader and onnxruntime fuses its producer into an integer kernel.
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
 unchanged exported model already changes its bytes (measured on a 3-linear model: it drops the ``value_info`` of 10
@@ -74,6 +76,7 @@ from coreai_opt.onnx.rewrite.rules.linears_to_gemm import LinearsToGemm
 from coreai_opt.onnx.rewrite.rules.means_to_global_average_pool import MeansToGlobalAveragePool
 from coreai_opt.onnx.rewrite.rules.means_to_sum_and_divide import MeansToSumAndDivide
 from coreai_opt.onnx.rewrite.rules.rms_norms_to_simplified_layer_norm import RmsNormsToSimplifiedLayerNorm
+from coreai_opt.onnx.rewrite.rules.shapes_from_quantized import ShapesFromQuantized
 from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import WriteMatMulNBits
 
 __all__ = ["POST_PASSES", "apply", "Rule", "Match", "Fail", "OnnxGraph", "RewriteReport", "read_report",
@@ -102,6 +105,7 @@ POST_PASSES: tuple[Rule, ...] = (
     GuardFloat8Activations(),
     GuardFourBitActivations(),
     ClipSixteenBitActivations(),
+    ShapesFromQuantized(),
 )
 
 
