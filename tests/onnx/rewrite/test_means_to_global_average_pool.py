@@ -60,7 +60,7 @@ def test_cnn_tail_exports_integer_global_pool_and_no_zero_bias(tmp_path: Path, k
     assert report.outputs[0].max_diff_steps <= 1.0 and report.argmax_agreement == 1.0, str(report)
 
 
-def _mean_graph(keepdims: int) -> onnx.ModelProto:
+def _mean_graph(keepdims: int, size: int = 5) -> onnx.ModelProto:
     inits = [numpy_helper.from_array(np.float32(0.02), "s"), numpy_helper.from_array(np.uint8(3), "z"),
              numpy_helper.from_array(np.float32(0.01), "so"), numpy_helper.from_array(np.uint8(0), "zo"),
              numpy_helper.from_array(np.array([-2, -1], np.int64), "axes")]
@@ -72,9 +72,10 @@ def _mean_graph(keepdims: int) -> onnx.ModelProto:
         helper.make_node("DequantizeLinear", ["mq", "so", "zo"], ["y"]),
     ]
     out_shape = ["N", 6, 1, 1] if keepdims else ["N", 6]
-    graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6, 5, 5])],
+    shape = ["N", 6, size, size]
+    graph = helper.make_graph(nodes, "mean", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits,
-                              value_info=[helper.make_tensor_value_info("xd", TensorProto.FLOAT, ["N", 6, 5, 5])])
+                              value_info=[helper.make_tensor_value_info("xd", TensorProto.FLOAT, shape)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
@@ -94,6 +95,13 @@ def test_spatial_reduce_mean_becomes_global_average_pool_with_the_same_shape(kee
     # the float mean is the same; it is quantized by the same Q, so the values match exactly here
     np.testing.assert_array_equal(got, expected)
     assert_idempotent(model, RULE)
+
+
+def test_a_mean_over_a_1x1_map_stays_reduce_mean_where_onnxruntime_runs_it_faster() -> None:
+    """QLinearGlobalAveragePool takes 16.7 µs on [1, 1280, 1, 1] against 8.2 µs for DQ -> ReduceMean -> Q."""
+    model = _mean_graph(1, size=1)
+    assert apply_rule(model, RULE) == (0, [])  # no rewrite and no near miss
+    assert [n.op_type for n in model.graph.node].count("ReduceMean") == 1
 
 
 @pytest.mark.parametrize(("axes", "reason"), [([1], "it reduces axes [1], not the spatial axes [2, 3]"),
