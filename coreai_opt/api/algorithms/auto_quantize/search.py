@@ -18,6 +18,7 @@ Ties break on unit order and candidate order, so the same inputs always give the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -78,23 +79,10 @@ def greedy_assign(units: Sequence[Mapping[str, Option]], budget: float, order: S
     if any(not options for options in units):
         raise ValueError("every unit needs at least one candidate option")
     chosen = [_fastest(options, order) for options in units]
-    total = sum(units[i][c].error for i, c in enumerate(chosen))
-    while total > budget:
-        best: tuple[float, int, int, str] | None = None
-        for i, options in enumerate(units):
-            current = options[chosen[i]]
-            for c in sorted(options, key=order.index):
-                o = options[c]
-                if o.error >= current.error:
-                    continue
-                gain = (current.error - o.error) / max(o.latency_us - current.latency_us, 1e-9)
-                key = (-gain, i, order.index(c), c)
-                if best is None or key < best:
-                    best = key
-        if best is None:
-            break
-        _, i, _, c = best
-        total += units[i][c].error - units[i][chosen[i]].error
+    error = total(units, chosen).error
+    while error > budget and (upgrade := _best_upgrade(units, chosen, order, math.inf)) is not None:
+        i, c = upgrade
+        error += units[i][c].error - units[i][chosen[i]].error
         chosen[i] = c
     savings = []
     for i, options in enumerate(units):
@@ -104,8 +92,8 @@ def greedy_assign(units: Sequence[Mapping[str, Option]], budget: float, order: S
                 savings.append((-saved, i, order.index(c), c))
     for _, i, _, c in sorted(savings):
         o, current = units[i][c], units[i][chosen[i]]
-        if o.latency_us < current.latency_us and total - current.error + o.error <= budget:
-            total += o.error - current.error
+        if o.latency_us < current.latency_us and error - current.error + o.error <= budget:
+            error += o.error - current.error
             chosen[i] = c
     return chosen
 
