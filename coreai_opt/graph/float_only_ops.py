@@ -14,11 +14,19 @@ itself is a ``QuantizeLinear → DequantizeLinear`` round trip at run time and a
 * **a mean that is not a spatial pool**: only the mean over the last two axes of a 4-D tensor becomes the integer
   ``QLinearGlobalAveragePool`` (:mod:`coreai_opt.onnx.rewrite.rules.means_to_global_average_pool`); an RMSNorm's
   ``x.pow(2).mean(-1)`` or a mean over the sequence stays a float reduction.
+* **layer / group norm, GELU, SiLU, HardSwish and tanh** (:data:`NO_INTEGER_KERNEL`): onnxruntime fuses
+  ``DQ → op → Q`` only for Conv, MatMul, Gemm, Add, Mul, the pools, LeakyRelu, Sigmoid, Softmax, Concat, Where and
+  the value movers; these run in float whatever surrounds them. Unlike the rules above this one yields to the
+  config: an ``op_kind`` / module entry that names the op keeps its quantizers (a user emulating another backend);
+  only the global default gives way (:func:`yields_to_neighbours`).
 
 Leaving such an op float removes only the quantizers nobody else asks for: an edge it shares with an integer
 kernel (the producer's output, a consumer's input) is still quantized by that kernel's request, so a chain
 ``QLinearMatMul → x * c → QLinearMatMul`` keeps the same quantizers, while an RMSNorm's
-``pow → mean → + eps → rsqrt`` loses three round trips per norm (issue 29: Gemma, Gemma2, Qwen3).
+``pow → mean → + eps → rsqrt`` loses three round trips per norm (issue 29: Gemma, Gemma2, Qwen3). A GELU or
+LayerNorm between two linears keeps both edges (each linear asks for its side), while GPT-Neo's tanh GELU
+``0.5 x (1 + tanh(c (x + 0.044715 x³)))``, whose tanh reads and feeds float arithmetic only, loses two round trips
+per layer.
 """
 
 from __future__ import annotations
@@ -29,8 +37,13 @@ from torch.fx import Node
 from coreai_opt.graph.node_meta import tensor_info
 from coreai_opt.graph.op_kinds import OpKind
 
-__all__ = ["float_only_reason"]
+__all__ = ["NO_INTEGER_KERNEL", "float_only_reason", "yields_to_neighbours"]
 
+#: Op kinds with quantization patterns that onnxruntime runs in float only (no ``QLinear*`` kernel, no Q / DQ
+#: dropped around them): by default they request no quantizers of their own (module docstring).
+NO_INTEGER_KERNEL: frozenset[OpKind] = frozenset(
+    {OpKind.LAYER_NORM, OpKind.GROUP_NORM, OpKind.GELU, OpKind.SILU, OpKind.HARDSWISH, OpKind.TANH}
+)
 _ELEMENTWISE = frozenset({OpKind.ADD, OpKind.SUB, OpKind.MUL, OpKind.DIV})
 _MEANS = frozenset({torch.mean, torch.ops.aten.mean, "mean"})
 
@@ -79,3 +92,23 @@ def float_only_reason(node: Node, kind: OpKind, tensor_operands: int) -> str | N
             and not _spatial_mean(node):
         return "mean over other axes than the spatial ones of a 4-D tensor (no integer kernel)"
     return None
+
+
+def yields_to_neighbours(kind: OpKind, activation_source: str) -> str | None:
+    """Why an op of ``kind`` requests no quantizers of its own, or None when it does.
+
+    Args:
+        kind: The op's kind.
+        activation_source: The config entry its activation spec comes from (``"global"``, ``"op_kind:tanh"``,
+            ``"module_name:..."``); only the global default gives way, an entry naming the op keeps its request.
+
+    Example:
+        >>> yields_to_neighbours(OpKind.TANH, "global")
+        'tanh has no onnxruntime integer kernel (its edges are quantized only where a neighbour's kernel reads them)'
+        >>> yields_to_neighbours(OpKind.TANH, "op_kind:tanh") is None
+        True
+    """
+    if kind not in NO_INTEGER_KERNEL or activation_source != "global":
+        return None
+    return (f"{kind.value} has no onnxruntime integer kernel (its edges are quantized only where a neighbour's "
+            "kernel reads them)")

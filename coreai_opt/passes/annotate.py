@@ -11,9 +11,11 @@ matmul                                      both operands (a ``get_attr`` operan
 embedding                                   weight only (indices are integers)
 add, mul, sub, div                          every tensor operand and the output (after a following relu);
                                             none with a number operand (``float_only_ops``)
-layer_norm, group_norm, gelu, silu,         input and output; none for a mean other than a 4-D
-hardswish, interpolate, avg_pool, relu*,    spatial one (``float_only_ops``)
-sigmoid, tanh
+interpolate, avg_pool, relu*, sigmoid       input and output; none for a mean other than a 4-D
+                                            spatial one (``float_only_ops``)
+layer_norm, group_norm, gelu, silu,         none of their own under the global spec (no onnxruntime integer
+hardswish, tanh                             kernel: ``float_only_ops``); an op_kind / module entry: input
+                                            and output
 softmax                                     input and output, output range fixed to [0, 1]
                                             (``fixed_range_outputs``) with its upper end shrunk to a
                                             power-of-two step (uint8: [0, 255/256], see ``_power_of_two_step``)
@@ -68,7 +70,7 @@ from typing import Any, NamedTuple
 from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.activation_ranges import edge_request_spec, fixed_range_spec
-from coreai_opt.graph.float_only_ops import float_only_reason
+from coreai_opt.graph.float_only_ops import float_only_reason, yields_to_neighbours
 from coreai_opt.graph.graph_attrs import node_shape
 from coreai_opt.graph.identity_ops import skip_identities
 from coreai_opt.graph.integer_inputs import integer_input_derived, is_float_tensor
@@ -174,6 +176,11 @@ def _label(node: Node) -> str:
     return f"{meta.module_name} ({node.name})" if meta.module_name else node.name
 
 
+def _activation_source(source: str) -> str:
+    """The entry an activation spec came from, out of :meth:`QuantizerConfig.resolve`'s ``source``."""
+    return source.rsplit("activation from ", 1)[-1]
+
+
 class _Matcher:
     """Applies :data:`PATTERNS` to one graph; collects granularity errors so they are reported together."""
 
@@ -241,10 +248,11 @@ class _Matcher:
                 return Annotation(output=SharedSpec(source)), None
             return None, None
         label = _label(node)
-        float_only = float_only_reason(node, meta.kind, len(data))
+        resolved = self.specs(node)
+        float_only = float_only_reason(node, meta.kind, len(data)) \
+            or yields_to_neighbours(meta.kind, _activation_source(resolved.source))
         if float_only is not None:
             return None, f"{label} left float: {float_only}"
-        resolved = self.specs(node)
         act, inputs = resolved.activation, []
         dynamic = act is not None and FAKE_QUANTIZE.get_class(act.fake_quantize).exports_dynamic
         if dynamic:  # only the input edges of linears read a dynamic quantizer (module docstring)

@@ -55,9 +55,11 @@ def test_report_json_has_sizes_latency_float_layers_and_tuning(tuned_run):
     # --keep-float-top 1 keeps the most sensitive layer float; the report names it with the reason
     kept = report["tuning"]["kept float (most sensitive first)"]
     assert len(kept) == 1
-    # the kept linear, and the mean over the tokens, which onnxruntime runs in float whatever surrounds it
+    # the kept linear, the mean over the tokens and the final norm that feeds it, which onnxruntime runs in float
+    # whatever surrounds them
     layers = {(f["module"], f["op_kind"]): f["reason"] for f in report["float_layers"]}
-    assert set(layers) == {(kept[0], "linear"), ("", "avg_pool")}
+    assert set(layers) == {(kept[0], "linear"), ("", "avg_pool"), ("ln", "layer_norm")}
+    assert "layer_norm has no onnxruntime integer kernel" in layers[("ln", "layer_norm")]
     assert "weight left float: no weight spec" in layers[(kept[0], "linear")]
     assert "mean over other axes than the spatial ones" in layers[("", "avg_pool")]
     float_weights = {t.name for t in initializers if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2}
@@ -73,7 +75,7 @@ def test_report_text_explains_every_column(tuned_run):
         assert f"\n    {term} " in text, term
     assert "max |diff| in quantization steps of that output" in text
     assert "(onnxruntime CPU, 1 thread(s), batch 1, median of 3 runs)" in text
-    assert "layers left float (2):" in text
+    assert "layers left float (3):" in text
 
 
 def test_report_replaces_a_planted_symlink_instead_of_writing_through_it(tuned_run):

@@ -102,10 +102,17 @@ def test_annotate_matmul_constant_operand_is_a_weight_and_fixed_ranges_apply():
     assert specs["table"].role is Role.WEIGHT and specs["table"].spec.granularity == PerChannel(1)  # [K, N]: N
     assert specs["x"].role is Role.ACTIVATION
     ranges = {k: get_meta(_by_kind(gm, k)[0]).annotation.output.spec.float_range
-              for k in (OpKind.SOFTMAX, OpKind.TANH, OpKind.SIGMOID)}
+              for k in (OpKind.SOFTMAX, OpKind.SIGMOID)}
     # softmax (uint8 here): [0, 255/256], a step of exactly 2^-8, which onnxruntime's QLinearSoftmax reproduces;
     # sigmoid / tanh are calibrated (their calibrated range lies inside [0, 1] / [-1, 1])
-    assert ranges == {OpKind.SOFTMAX: (0.0, 255 / 256), OpKind.TANH: None, OpKind.SIGMOID: None}
+    assert ranges == {OpKind.SOFTMAX: (0.0, 255 / 256), OpKind.SIGMOID: None}
+    # tanh has no onnxruntime integer kernel: no request of its own; its output is quantized by the sigmoid that
+    # reads it (QLinearSigmoid), calibrated, and its input by the softmax that writes it
+    tanh, = _by_kind(gm, OpKind.TANH)
+    sigmoid, = _by_kind(gm, OpKind.SIGMOID)
+    assert get_meta(tanh).annotation is None and "tanh has no onnxruntime integer kernel" in get_meta(tanh).float_reason
+    (edge, spec), = get_meta(sigmoid).annotation.inputs
+    assert edge is tanh and spec.spec.float_range is None
     cfg = W8A8()
     cfg.fixed_range_outputs = False
     gm = annotated(_Attention().eval(), torch.randn(2, 8), cfg)
@@ -152,9 +159,9 @@ def test_annotate_dynamic_spec_is_requested_only_on_linear_input_edges():
     assert all(get_meta(node).kind is OpKind.LINEAR and spec.edge_only for _, node, spec in dynamic)
     outputs = [get_meta(n).annotation.output for n in gm.graph.nodes if get_meta(n).annotation is not None]
     assert not any(isinstance(o, QuantSpec) for o in outputs)  # only value-moving ops' SharedSpec remain
-    ln = next(n for n in gm.graph.nodes if get_meta(n).kind is OpKind.LAYER_NORM)
-    assert get_meta(ln).float_reason.endswith("output left float: dynamic activation quantization applies to "
-                                              "linear-layer inputs only")
+    softmax = next(n for n in gm.graph.nodes if get_meta(n).kind is OpKind.SOFTMAX)
+    assert get_meta(softmax).float_reason.endswith("output left float: dynamic activation quantization applies to "
+                                                   "linear-layer inputs only")
     linear = next(n for _, n, _ in dynamic)
     assert "bias left float: a dynamic (stateless) quantizer has no scale buffer" in get_meta(linear).float_reason
 

@@ -133,3 +133,66 @@ def test_a_division_by_a_tensor_requests_no_quantizers_so_no_divisor_rounds_to_z
         out, ref = co.convert(prepared)(x), model(x)
     assert torch.isfinite(out).all()
     assert float((out - ref).abs().max()) < 0.05  # cosines in [-1, 1]: a few 8-bit steps at most
+
+
+class _TanhGeluBlock(nn.Module):
+    """linear → GPT-Neo's GELU ``0.5 h (1 + tanh(c (h + 0.044715 h³)))`` → linear, as transformers writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.b(h)
+
+
+class _NormBetweenLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(nn.functional.gelu(self.norm(self.a(x))))
+
+
+def test_a_tanh_between_float_arithmetic_requests_no_quantizers_unless_the_config_names_it() -> None:
+    gm = annotated(_TanhGeluBlock().eval(), torch.randn(4, 16), W8A8())
+    tanh, = _kind_nodes(gm, OpKind.TANH)
+    assert get_meta(tanh).annotation is None
+    assert get_meta(tanh).float_reason.endswith("tanh has no onnxruntime integer kernel (its edges are quantized "
+                                                "only where a neighbour's kernel reads them)")
+    # an op_kind entry naming tanh is the user asking for its quantizers: they stay
+    named = annotated(_TanhGeluBlock().eval(), torch.randn(4, 16),
+                      W8A8().set_op_kind("tanh", {"activation": W8A8().activation}))
+    tanh, = _kind_nodes(named, OpKind.TANH)
+    annotation = get_meta(tanh).annotation
+    assert annotation is not None and len(annotation.inputs) == 1 and annotation.output is not None
+
+
+def test_a_norm_and_gelu_between_linears_keep_every_edge_the_linears_ask_for() -> None:
+    gm = inserted(_NormBetweenLinears().eval(), torch.randn(2, 8), W8A8())
+    assert [get_meta(n).annotation for n in _kind_nodes(gm, OpKind.LAYER_NORM) + _kind_nodes(gm, OpKind.GELU)] \
+        == [None, None]
+    # a's output (its own request) and b's input (the gelu's output): the norm's output has no reader that asks
+    assert _quantized_values(gm) == ["x", "linear", "gelu", "linear_1"]
+
+
+def test_tanh_gelu_block_runs_two_fewer_round_trips_and_onnxruntime_matches_eager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 16),) for _ in range(3)]
+    counts = {}
+    for label, config in (("default", W8A8()),
+                          ("tanh named", W8A8().set_op_kind("tanh", {"activation": W8A8().activation}))):
+        prepared = co.prepare(_TanhGeluBlock().eval(), config, batches[0])
+        co.calibrate(prepared, batches, progress=False)
+        converted = co.convert(prepared)
+        path = co.export_onnx(converted, batches[0], tmp_path / f"{label}.onnx")
+        ops = Counter(n.op_type for n in optimized_model(path, level="all").graph.node)
+        counts[label] = {op: ops[op] for op in ("QuantizeLinear", "DequantizeLinear", "Tanh", "QGemm")}
+        assert co.verify_onnx(converted, path, batches).ok
+    # tanh's input and output were a Q -> DQ pair each, read by float arithmetic only
+    assert counts["tanh named"]["QuantizeLinear"] - counts["default"]["QuantizeLinear"] == 2
+    assert counts["tanh named"]["DequantizeLinear"] - counts["default"]["DequantizeLinear"] == 2
+    assert counts["default"]["Tanh"] == 1 and counts["default"]["QGemm"] == 2
