@@ -119,11 +119,10 @@ def audit_model(name: str, family: str, entry: CorpusModel, work: Path, rounds: 
                                f"{' '.join(str(exc).split())[:120]})"
             export_float(model, calib[0], names, work / "float.onnx")
             quantize_static_peer(work / "float.onnx", names, calib, files["peer"])
-            batch = torch.export.Dim("batch")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 co.export_onnx(converted, calib[0], files["ours"], input_names=list(names),
-                               dynamic_shapes=tuple({0: batch} for _ in calib[0]))
+                               dynamic_shapes={name: {0: "batch"} for name in names})
         stage = "measure"
         for key, path in files.items():
             row[f"sqnr_{key}"] = sqnr_db(reference, run_onnx(path, names, evals))

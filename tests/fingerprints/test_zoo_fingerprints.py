@@ -1,5 +1,8 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
+``transformer_encoder/w8`` and ``/w8a16`` were re-recorded when ``fuse_shared_input_matmul_nbits`` began to fuse
+only in graphs with a KV cache: their q / k / v ``MatMulNBits`` stay three (the rewrite report lists them as near
+misses); quantizers, eager outputs and the other 66 cases unchanged.
 All 68 cases were re-recorded on Dec 5 (evening, issue 29) when layer / group norm, GELU, SiLU, HardSwish and tanh
 stopped requesting quantizers of their own under the global spec (``float_only_ops.NO_INTEGER_KERNEL``): 26 cases
 of transformer_encoder, torch_transformer, shape_unpack and conv1d_groupnorm lost one or two quantizers (a final
@@ -41,7 +44,7 @@ Before that it was re-recorded (Dec 5) after three changes on purpose, with the 
 no longer lifts the calculators' calibration buffers (structure and file sha256 of every case change, graph nodes
 and values do not), the post-pass rules ``fuse_shared_input_matmul_nbits`` and
 ``rms_norms_to_simplified_layer_norm`` joined the rewrite report (the stored values of ``transformer_encoder``
-``w8`` and ``w8a16`` change because their q/k/v ``MatMulNBits`` are fused into one).
+``w8`` and ``w8a16`` changed because their q/k/v ``MatMulNBits`` were fused into one, since undone).
 ``transformer_encoder/w8a8/fold`` and ``/insert_mul`` (the zoo's torch.export captures, dynamic ``[batch,
 sequence]``) were re-recorded when ``linears_to_gemm`` began to read the run-time shape of its linears from one
 ``Shape`` of a graph input: their quantizers and eager outputs are unchanged, their structure and shape constants

@@ -102,6 +102,14 @@ def test_bad_dynamic_shapes_are_refused_with_the_reason(converted, tmp_path, ove
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_torch_exports_positional_dynamic_shapes_are_refused_naming_the_form_to_use(converted, tmp_path):
+    with pytest.raises(TypeError, match=r"dynamic_shapes must be a dict keyed by graph input name, .* got a tuple "
+                                        r"\(torch.export's positional form is not accepted here\); e.g. "
+                                        r"\{'ids': \{0: 'batch'\}\}"):
+        co.export_onnx(converted, (_ids(2, 16),), tmp_path / "m.onnx", dynamic_shapes=({0: "batch"},))
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_a_length_the_model_branches_on_is_captured_static_and_the_batch_stays_dynamic(tmp_path):
     torch.manual_seed(0)
     model = _BranchesOnLength().eval()

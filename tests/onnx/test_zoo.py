@@ -178,9 +178,9 @@ def test_zoo_w4_transformer_linears_run_as_matmulnbits(converted: Callable[[str,
     model, path, _ = converted("transformer_encoder", "w4")
     fusion = verify_onnx(model, path, _inputs("transformer_encoder", batches=1)).fusion
     print(f"\ntransformer_encoder w4\n{fusion}")
-    # per block: q/k/v fused into one (fuse_shared_input_matmul_nbits), o, fc1, fc2; plus the 2-D head (a weight-only
-    # Gemm, written as MatMulNBits + Add since issue 32): 2 x 4 + 1
-    assert fusion.integer_compute == {"MatMulNBits": 9}
+    # per block: q, k, v (an encoder has no KV cache: fuse_shared_input_matmul_nbits leaves them apart), o, fc1,
+    # fc2; plus the 2-D head (a weight-only Gemm, written as MatMulNBits + Add since issue 32): 2 x 6 + 1
+    assert fusion.integer_compute == {"MatMulNBits": 13}
     # left in float: q @ k^T and attn @ v per block (activation x activation; the 1/sqrt(d) scale is folded into
     # the q projection, so there is no Div for onnxruntime to fuse into a FusedMatMul)
     assert fusion.float_compute == {"MatMul": 4}

@@ -60,8 +60,13 @@ def input_axes(
 
     Raises:
         ValueError: ``dynamic_shapes`` names an unknown input, a dimension out of range or an invalid axis name.
-        TypeError: an entry of ``dynamic_shapes`` is not a dict or None.
+        TypeError: ``dynamic_shapes`` is not a mapping, or one of its entries is not a dict or None.
     """
+    if dynamic_shapes is not None and not isinstance(dynamic_shapes, Mapping):
+        example = ", ".join(f"{name!r}: {{0: 'batch'}}" for name in input_names)
+        raise TypeError(f"dynamic_shapes must be a dict keyed by graph input name, {{name: {{dimension: axis name}}}}, "
+                        f"got a {type(dynamic_shapes).__name__} (torch.export's positional form is not accepted "
+                        f"here); e.g. {{{example}}}")
     overrides = dict(dynamic_shapes or {})
     unknown = sorted(set(overrides) - set(input_names))
     if unknown:

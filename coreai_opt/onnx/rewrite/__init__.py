@@ -13,8 +13,8 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 5. ``gather_block_quantized_rows``: ``DQ(per-block table) -> Gather`` -> ``GatherBlockQuantized`` (rows only;
    a table a ``MatMulNBits`` already stores is read from there).
 6. ``gather_quantized_rows``: ``DQ(table) -> Gather`` -> ``Gather -> DQ`` (dequantize only the rows read).
-7. ``fuse_shared_input_matmul_nbits``: ``MatMulNBits`` readers of one input (q / k / v, gate / up) -> one
-   ``MatMulNBits`` over the stacked weights + ``Split`` (bit-identical outputs).
+7. ``fuse_shared_input_matmul_nbits``: in a KV-cache decoder, ``MatMulNBits`` readers of one input (q / k / v,
+   gate / up) -> one ``MatMulNBits`` over the stacked weights + ``Split`` (bit-identical outputs).
 8. ``rms_norms_to_simplified_layer_norm``: ``w · x · rsqrt(mean(x²) + ε)`` as elementwise ops ->
    ``SimplifiedLayerNormalization`` (onnxruntime folds it with the residual ``Add`` into the skip variant).
 9. ``attention_to_group_query_attention``: the KV-cache decoder's attention block (rotary, cache ``Concat``,

@@ -37,12 +37,18 @@ def _linear(name: str, n: int, bits: int, asymmetric: bool, level: int, seed: in
     return node, inits
 
 
-def _model(linears: list[tuple[onnx.NodeProto, list[onnx.TensorProto]]]) -> onnx.ModelProto:
+def _model(linears: list[tuple[onnx.NodeProto, list[onnx.TensorProto]]], cache: bool = True) -> onnx.ModelProto:
+    """The linears reading ``x``; with ``cache``, also a layer's KV cache ``present = Concat(past, new, axis=2)``."""
     nodes = [node for node, _ in linears]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, K])],
-        [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes],
-        [t for _, inits in linears for t in inits])
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, K])]
+    outputs = [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None) for n in nodes]
+    inits = [t for _, tensors in linears for t in tensors]
+    if cache:
+        nodes.append(helper.make_node("Concat", ["past", "new"], ["present"], axis=2))
+        inputs.append(helper.make_tensor_value_info("past", TensorProto.FLOAT, [2, 1, "past_sequence", 4]))
+        outputs.append(helper.make_tensor_value_info("present", TensorProto.FLOAT, None))
+        inits.append(helper.make_tensor("new", TensorProto.FLOAT, [2, 1, 5, 4], np.ones(40, np.float32)))
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets)
 
@@ -55,14 +61,15 @@ def test_q_k_v_readers_become_one_matmul_nbits_and_a_split_with_bit_identical_ou
                     _linear("v", 16, bits, False, level, 2)])
     before = copy(model)
     assert apply_rule(model, RULE) == (1, [])
-    assert ops(model) == ["MatMulNBits", "Split"]
+    assert ops(model) == ["MatMulNBits", "Split", "Concat"]
     fused = model.graph.node[0]
     assert {a.name: a.i for a in fused.attribute} == {"K": K, "N": 80, "bits": bits, "block_size": 32,
                                                       "accuracy_level": level}
     assert [o for o in model.graph.node[1].output] == ["q", "k", "v"]
     x = np.random.default_rng(3).standard_normal((2, 5, K)).astype(np.float32) * 4
     for optimize in (False, True):
-        for fused_out, plain in zip(run(model, {"x": x}, optimize), run(before, {"x": x}, optimize), strict=True):
+        feeds = {"x": x, "past": np.zeros((2, 1, 3, 4), np.float32)}
+        for fused_out, plain in zip(run(model, feeds, optimize), run(before, feeds, optimize), strict=True):
             np.testing.assert_array_equal(fused_out, plain)
     assert_idempotent(model, RULE)
 
@@ -77,9 +84,10 @@ def test_readers_with_another_block_size_or_level_stay_apart_and_the_rest_fuse()
                     _linear("up", 32, 4, True, 4, 2), _linear("other_level", 32, 4, True, 1, 3)])
     before = copy(model)
     assert apply_rule(model, RULE) == (1, [])
-    assert sorted(ops(model)) == ["MatMulNBits", "MatMulNBits", "MatMulNBits", "Split"]
-    x = np.random.default_rng(4).standard_normal((2, 5, K)).astype(np.float32)
-    for fused_out, plain in zip(run(model, {"x": x}), run(before, {"x": x}), strict=True):
+    assert sorted(ops(model)) == ["Concat", "MatMulNBits", "MatMulNBits", "MatMulNBits", "Split"]
+    feeds = {"x": np.random.default_rng(4).standard_normal((2, 5, K)).astype(np.float32),
+             "past": np.zeros((2, 1, 3, 4), np.float32)}
+    for fused_out, plain in zip(run(model, feeds), run(before, feeds), strict=True):
         np.testing.assert_array_equal(fused_out, plain)
 
 
@@ -93,3 +101,13 @@ def test_a_run_time_weight_is_a_near_miss_and_a_lone_reader_no_candidate() -> No
     assert model.SerializeToString() == before
     lone = _model([_linear("a", 16, 4, False, 4, 0)])
     assert apply_rule(lone, RULE) == (0, [])
+
+
+def test_without_a_kv_cache_the_readers_stay_apart_and_the_near_miss_says_why() -> None:
+    model = _model([_linear("q", 48, 4, True, 4, 0), _linear("k", 16, 4, False, 4, 1),
+                    _linear("v", 16, 4, False, 4, 2)], cache=False)
+    before = model.SerializeToString()
+    assert apply_rule(model, RULE) == (0, [
+        "3 readers of one input left apart: the graph has no KV cache, so each run multiplies many rows and the "
+        "Split's copy costs more than the launches it saves"])
+    assert model.SerializeToString() == before
