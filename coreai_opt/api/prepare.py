@@ -4,7 +4,7 @@ The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
     capture (→ functionalize_inplace) → check_finite_weights → complex_as_real → factories_from_metadata →
     remove_dead_nodes → decompose_attention → decompose_silu → order_ties → classify_ops → functionalize_weights →
-    fold_batchnorm → fold_attention_scale → annotate → insert_quantizers → check_activation_axes →
+    fold_batchnorm → fold_attention_scale → fold_channel_scales → annotate → insert_quantizers → check_activation_axes →
     quantize_kv_cache (``config.kv_cache``) → int8_compute_inputs (weight-only linears with
     ``matmul_compute="int8"``) → insert_weight_statistics
 
@@ -42,6 +42,7 @@ from coreai_opt.passes.decompose_silu import decompose_silu
 from coreai_opt.passes.factories_from_metadata import factories_from_metadata
 from coreai_opt.passes.fold_attention_scale import fold_attention_scale
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
+from coreai_opt.passes.fold_channel_scales import fold_channel_scales
 from coreai_opt.passes.functionalize_weights import functionalize_weights
 from coreai_opt.passes.insert_quantizers import insert_quantizers
 from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
@@ -146,6 +147,8 @@ def prepare(
         gm = fold_batchnorm(gm).graph_module
     if config.fold_attention_scale:
         gm = fold_attention_scale(gm).graph_module
+    if config.fold_channel_scales and not qat:  # QAT trains the scale on its own
+        gm = fold_channel_scales(gm).graph_module
     gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
                   per_block_fallback=config.per_block_fallback).graph_module
     gm = insert_quantizers(gm).graph_module

@@ -102,6 +102,9 @@ class QuantizerConfig(BaseModel):
         fold_attention_scale: Fold the constant scale of attention scores (``q @ kᵀ / sqrt(d)``) into the
             query projection's weight and bias, removing a quantize/dequantize/div step per attention block
             (:mod:`coreai_opt.passes.fold_attention_scale`).
+        fold_channel_scales: Fold a constant per-channel multiply of a conv / linear output (layer scale,
+            ``x * gamma``) into its weight and bias, removing a ``QLinearMul`` and a rounding per block
+            (:mod:`coreai_opt.passes.fold_channel_scales`; post-training only, QAT keeps the multiply).
         fixed_range_outputs: softmax outputs use the fixed range [0, 1], its upper end shrunk to a power-of-two
             step (uint8: [0, 255/256], which onnxruntime's ``QLinearSoftmax`` reproduces bit for bit), instead of
             a calibrated range. Sigmoid / tanh outputs are calibrated either way: their calibrated range lies
@@ -134,6 +137,7 @@ class QuantizerConfig(BaseModel):
     int32_bias: StrictBool = True
     fold_batchnorm: StrictBool = True
     fold_attention_scale: StrictBool = True
+    fold_channel_scales: StrictBool = True
     fixed_range_outputs: StrictBool = True
     per_block_fallback: Literal["error", "per_channel"] = "error"
     kv_cache: QuantizationSpec | None = None
@@ -299,6 +303,7 @@ class QuantizerConfig(BaseModel):
             "int32_bias": self.int32_bias,
             "fold_batchnorm": self.fold_batchnorm,
             "fold_attention_scale": self.fold_attention_scale,
+            "fold_channel_scales": self.fold_channel_scales,
             "fixed_range_outputs": self.fixed_range_outputs,
             "per_block_fallback": self.per_block_fallback,
             "kv_cache": spec_to_dict(self.kv_cache),

@@ -6,6 +6,7 @@ module reads weights, buffers and quantizer modules the same way.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.node_meta import tensor_info
 
-__all__ = ["attr_value", "bind_parameter", "get_attr_value", "node_shape", "split_target"]
+__all__ = ["attr_value", "bind_parameter", "exclusive_tensor", "get_attr_value", "node_shape", "split_target"]
 
 
 def split_target(target: object) -> tuple[str, str]:
@@ -61,3 +62,32 @@ def bind_parameter(root: nn.Module, target: str, value: torch.Tensor) -> None:
     module = root.get_submodule(owner)
     old = getattr(module, name)
     setattr(module, name, nn.Parameter(value, requires_grad=getattr(old, "requires_grad", True)))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def exclusive_tensor(gm: GraphModule, node: object, user: Node) -> torch.Tensor | None:
+    """The tensor of ``get_attr`` ``node`` when only ``user`` reads it (no other node, alias or module call)."""
+    tensor = get_attr_value(node, gm)
+    if not isinstance(node, Node) or not isinstance(tensor, torch.Tensor) or list(node.users) != [user]:
+        return None
+    target = str(node.target)
+    for other in gm.graph.nodes:
+        if other is node:
+            continue
+        if other.op == "get_attr":
+            seen = get_attr_value(other, gm)
+            if str(other.target) == target or (isinstance(seen, torch.Tensor) and _same_storage(seen, tensor)):
+                return None
+        elif other.op == "call_module" and target.startswith(f"{other.target}."):
+            return None  # the owning module is also called as a module
+    named = chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False))
+    if sum(1 for _, t in named if t is tensor) > 1:
+        return None  # tied under another name
+    return tensor

@@ -33,12 +33,11 @@ The folded tensors are new ``nn.Parameter`` objects on the GraphModule, so the u
 from __future__ import annotations
 
 import math
-from itertools import chain
 
 import torch
 from torch.fx import GraphModule, Node
 
-from coreai_opt.graph.graph_attrs import bind_parameter, get_attr_value
+from coreai_opt.graph.graph_attrs import bind_parameter, exclusive_tensor, get_attr_value
 from coreai_opt.graph.node_meta import get_meta, tensor_info
 from coreai_opt.graph.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
@@ -108,45 +107,16 @@ def _projection(gm: GraphModule, start: object, positive: bool) -> Node | None:
     return None
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a is b:
-        return True
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _exclusive_tensor(gm: GraphModule, node: object, user: Node) -> torch.Tensor | None:
-    """The tensor of ``get_attr`` ``node`` when only ``user`` reads it (no other node, alias or module call)."""
-    tensor = get_attr_value(node, gm)
-    if not isinstance(node, Node) or not isinstance(tensor, torch.Tensor) or list(node.users) != [user]:
-        return None
-    target = str(node.target)
-    for other in gm.graph.nodes:
-        if other is node:
-            continue
-        if other.op == "get_attr":
-            seen = get_attr_value(other, gm)
-            if str(other.target) == target or (isinstance(seen, torch.Tensor) and _same_storage(seen, tensor)):
-                return None
-        elif other.op == "call_module" and target.startswith(f"{other.target}."):
-            return None  # the owning module is also called as a module
-    named = chain(gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False))
-    if sum(1 for _, t in named if t is tensor) > 1:
-        return None  # tied under another name
-    return tensor
-
-
 def _fold_into(gm: GraphModule, linear: Node, scale: float | torch.Tensor, divide: bool) -> bool:
     """Scale ``linear``'s weight and bias by ``1/scale`` (``divide``) or ``scale``; False when it cannot."""
     layout = lookup_op(linear, gm).layout
     weight_node, bias_node = ArgLayout.get(linear, layout.weight), ArgLayout.get(linear, layout.bias)
-    weight = _exclusive_tensor(gm, weight_node, linear)
+    weight = exclusive_tensor(gm, weight_node, linear)
     if weight is None or not weight.is_floating_point():
         return False
     bias = None
     if bias_node is not None:
-        bias = _exclusive_tensor(gm, bias_node, linear)
+        bias = exclusive_tensor(gm, bias_node, linear)
         if bias is None or not bias.is_floating_point():
             return False
     with torch.no_grad():

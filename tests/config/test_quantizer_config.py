@@ -433,6 +433,7 @@ def test_to_dict_layout_is_plain_and_json_serialisable():
         "int32_bias",
         "fold_batchnorm",
         "fold_attention_scale",
+        "fold_channel_scales",
         "fixed_range_outputs",
         "per_block_fallback",
         "kv_cache",

@@ -1,5 +1,8 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
+The four ``torch_transformer`` w8a8 / w8a8_sym cases were re-recorded when ``linears_to_gemm``'s linears began to
+share the first linear's ``Shape(x_q, end=-1)`` when no graph input has their leading sizes: fewer ``Shape`` /
+``Concat`` nodes and ``[N]`` initializers (structure and stored values), quantizers and eager outputs unchanged.
 ``transformer_encoder/w8`` and ``/w8a16`` were re-recorded when ``fuse_shared_input_matmul_nbits`` began to fuse
 only in graphs with a KV cache: their q / k / v ``MatMulNBits`` stay three (the rewrite report lists them as near
 misses); quantizers, eager outputs and the other 66 cases unchanged.

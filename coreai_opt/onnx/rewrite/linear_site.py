@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from coreai_opt.onnx.rewrite.graph import Dim, OnnxGraph
+from coreai_opt.onnx.rewrite.graph import Dim, OnnxGraph, attributes_of
 from coreai_opt.onnx.rewrite.qdq import QdqView
 from coreai_opt.onnx.rewrite.rule import Match
 
@@ -93,7 +93,9 @@ def restore_shape(site: LinearSite, graph: OnnxGraph, value_2d: str, final: str,
     source is a graph input whose recorded shape is exactly ``lead`` (a transformer's ``input_ids [batch,
     sequence]``; equal symbolic names are equal sizes), so every linear shares one ``Shape`` and one ``Concat``
     per ``N``, and ``x_q`` keeps its single reader (``collapse_reshapes`` can then drop a reshape feeding it);
-    without such an input it is ``Shape(x_q, end=-1)``, per linear.
+    without such an input it is ``Shape(x_q, end=-1)`` of the first linear with these leading sizes, shared by
+    the later ones (GPT-Neo's ``[batch, Min(64, sequence)]``, which no graph input has: 6 ``Shape`` and 6
+    ``Concat`` -> 1 and 2). Sharing keeps the graph acyclic: the first linear's input precedes the later linears.
     """
     dims = graph.shape(site.x_quantized)
     lead = dims[:-1]
@@ -106,15 +108,28 @@ def restore_shape(site: LinearSite, graph: OnnxGraph, value_2d: str, final: str,
     if source is not None:
         target, new = _shared_out_shape(graph, source, site.out_features, prefix)
         return [*new, helper.make_node("Reshape", [value_2d, target], [final], name=f"{prefix}_unflatten")]
-    target = graph.unique_name(f"{prefix}_out_shape")
-    lead_shape = graph.unique_name(f"{prefix}_lead_shape")
-    out_features = graph.add_initializer(graph.unique_name(f"{prefix}_out_features"),
-                                         np.array([site.out_features], np.int64))
-    return [
-        helper.make_node("Shape", [site.x_quantized], [lead_shape], name=f"{prefix}_lead", end=-1),
-        helper.make_node("Concat", [lead_shape, out_features], [target], name=f"{prefix}_out_shape", axis=0),
-        helper.make_node("Reshape", [value_2d, target], [final], name=f"{prefix}_unflatten"),
-    ]
+    lead_shape, new = _earlier_lead_shape(graph, lead, site.node), []
+    if lead_shape is None:
+        lead_shape = graph.unique_name(f"{prefix}_lead_shape")
+        new.append(helper.make_node("Shape", [site.x_quantized], [lead_shape], name=f"{prefix}_lead", end=-1))
+        graph.annotate(lead_shape, TensorProto.INT64, [len(lead)])
+    target, concat = _out_shape(graph, lead_shape, site.out_features, prefix)
+    return [*new, *concat, helper.make_node("Reshape", [value_2d, target], [final], name=f"{prefix}_unflatten")]
+
+
+def _earlier_lead_shape(graph: OnnxGraph, lead: tuple[Dim, ...], before: onnx.NodeProto) -> str | None:
+    """The output of a ``Shape(x, end=-1)`` placed before ``before`` whose ``x`` has the leading sizes ``lead``.
+
+    Only nodes before the linear are candidates: in graph (topological) order they cannot depend on its output.
+    """
+    for node in graph.nodes:
+        if node is before:
+            return None
+        if node.op_type == "Shape" and attributes_of(node) == {"end": -1}:
+            dims = graph.shape(node.input[0])
+            if dims is not None and tuple(dims[:-1]) == tuple(lead):
+                return node.output[0]
+    return None
 
 
 def _lead_shape_input(graph: OnnxGraph, lead: tuple[Dim, ...]) -> str | None:
@@ -135,12 +150,18 @@ def _shared_out_shape(graph: OnnxGraph, source: str, n: int, prefix: str) -> tup
         lead_shape = graph.unique_name(f"{source}_shape")
         new.append(helper.make_node("Shape", [source], [lead_shape], name=graph.unique_node_name(f"{source}_shape")))
         graph.annotate(lead_shape, TensorProto.INT64, [len(graph.shape(source) or ())])
+    target, concat = _out_shape(graph, lead_shape, n, prefix)
+    return target, [*new, *concat]
+
+
+def _out_shape(graph: OnnxGraph, lead_shape: str, n: int, prefix: str) -> tuple[str, list[onnx.NodeProto]]:
+    """``(name of Concat(lead_shape, [n]), new nodes)``, reusing a ``Concat`` an earlier linear added."""
     for reader in graph.readers(lead_shape):
         if reader.op_type == "Concat" and len(reader.input) == 2 and reader.input[0] == lead_shape:
             tail = graph.constant(reader.input[1])
             if tail is not None and tail.tolist() == [n]:
-                return reader.output[0], new
+                return reader.output[0], []
     out_features = graph.shared_constant("linear_out_features", np.array([n], np.int64))
     target = graph.unique_name(f"{prefix}_out_shape")
-    new.append(helper.make_node("Concat", [lead_shape, out_features], [target], name=f"{prefix}_out_shape", axis=0))
-    return target, new
+    return target, [helper.make_node("Concat", [lead_shape, out_features], [target], name=f"{prefix}_out_shape",
+                                     axis=0)]

@@ -276,3 +276,23 @@ def test_two_symbolic_leading_dims_read_one_shape_of_the_input_that_has_them_and
             assert got.shape == expected.shape
             np.testing.assert_array_equal(got, expected)
     assert_idempotent(rewritten, RULE)
+
+
+def test_without_an_input_of_the_leading_sizes_the_first_linears_shape_is_shared_and_values_stay_identical() -> None:
+    """GPT-Neo's ``[batch, Min(64, sequence)]`` is the shape of no graph input: the first linear's
+    ``Shape(x_q, end=-1)`` serves the later linears with the same leading sizes (was one ``Shape`` and one
+    ``Concat`` per linear: 3 + 3 nodes)."""
+    model = _two_layer_graph()
+    mask = next(v for v in model.graph.input if v.name == "mask")
+    mask.type.tensor_type.shape.dim[1].dim_param = "t"  # the mask's length is not x's
+    next(v for v in model.graph.output if v.name == "mask_out").type.tensor_type.shape.dim[1].dim_param = "t"
+    rewritten, ops = _rewrite_checked(model, expected_rewrites=3)
+    assert ops["Gemm"] == 3 and ops["Shape"] == 1 and ops["Concat"] == 1
+    (shape,) = (n for n in rewritten.graph.node if n.op_type == "Shape")
+    assert list(shape.input) == ["xq"]
+    for b, s in ((2, 3), (1, 7), (3, 1)):
+        feeds = {"x": RNG.standard_normal([b, s, K]).astype(np.float32) * 2, "mask": np.ones((b, s + 1), np.int64)}
+        for expected, got in zip(run(model, feeds), run(rewritten, feeds), strict=True):
+            assert got.shape == expected.shape
+            np.testing.assert_array_equal(got, expected)
+    assert_idempotent(rewritten, RULE)
