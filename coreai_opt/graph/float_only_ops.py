@@ -104,7 +104,7 @@ def yields_to_neighbours(kind: OpKind, activation_source: str) -> str | None:
 
     Example:
         >>> yields_to_neighbours(OpKind.TANH, "global")
-        'tanh has no onnxruntime integer kernel (its edges are quantized only where a neighbour's kernel reads them)'
+        "tanh has no onnxruntime integer kernel (its edges are quantized only where a neighbour's kernel reads them)"
         >>> yields_to_neighbours(OpKind.TANH, "op_kind:tanh") is None
         True
     """

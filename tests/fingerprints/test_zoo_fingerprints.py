@@ -1,5 +1,9 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
+All 67 exported cases were re-recorded when the rule ``average_pools_as_depthwise_convs`` joined the post-passes:
+only ``onnx_structure_sha256`` and ``onnx_file_sha256`` changed (the rewrite report in the model metadata lists the
+new rule); quantizers, graphs, stored values and eager outputs are unchanged (no zoo model has a quantized windowed
+average pool).
 The four ``torch_transformer`` w8a8 / w8a8_sym cases were re-recorded when ``linears_to_gemm``'s linears began to
 share the first linear's ``Shape(x_q, end=-1)`` when no graph input has their leading sizes: fewer ``Shape`` /
 ``Concat`` nodes and ``[N]`` initializers (structure and stored values), quantizers and eager outputs unchanged.

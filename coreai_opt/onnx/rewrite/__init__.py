@@ -26,17 +26,19 @@ in, and :func:`apply` runs them over one :class:`~coreai_opt.onnx.rewrite.graph.
 12. ``linears_to_gemm``: 8-bit rank > 2 ``MatMul (+ Add)`` -> ``Reshape -> Gemm -> Reshape`` (``QGemm``).
 13. ``collapse_reshapes``: drop the reshapes that cancel (only after ``linears_to_gemm`` rewrote something).
 14. ``means_to_global_average_pool``: quantized spatial ``ReduceMean`` -> ``GlobalAveragePool``.
-15. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
-16. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
+15. ``average_pools_as_depthwise_convs``: quantized windowed ``AveragePool`` -> float depthwise ``Conv``
+    (onnxruntime's ``QLinearAveragePool`` is the slow kernel).
+16. ``means_to_sum_and_divide``: any other quantized ``ReduceMean`` -> ``ReduceSum -> Div(n)`` (OpenVINO).
+17. ``guard_quantized_sums``: ``Max(x, lowest)`` between an asymmetric 8/4-bit ``DequantizeLinear`` and a
     ``ReduceSum`` (OpenVINO folds that dequantization into the sum wrongly; onnxruntime stays bit-exact).
-17. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
+18. ``fold_pads_into_convs``: a zero spatial ``Pad -> Q -> DQ`` in front of a ``Conv`` -> the conv's ``pads``
     (TF-style "same" padding; onnxruntime fuses neither the pad nor the requantization around it).
-18. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
-19. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
-20. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
-21. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
+19. ``drop_zero_biases``: remove all-zero conv / gemm bias inputs.
+20. ``guard_float8_activations``: ``Relu`` / ``Clip`` before a float8 / 4-bit ``QuantizeLinear`` -> ``Max`` / ``Min``.
+21. ``guard_4bit_activations``: ``Max(x, lowest)`` around every int4 / uint4 activation Q / DQ (no 4-bit fusions).
+22. ``clip_16bit_activations``: ``Clip((qmin - zp)·s, (qmax - zp)·s)`` before every int16 / uint16 activation
     ``QuantizeLinear`` (OpenVINO strips 16-bit Q/DQ pairs and their saturation; onnxruntime stays bit-exact).
-22. ``shapes_from_quantized``: ``Shape`` / ``Size`` of a quantized activation reads its ``QuantizeLinear``'s output,
+23. ``shapes_from_quantized``: ``Shape`` / ``Size`` of a quantized activation reads its ``QuantizeLinear``'s output,
     so the float output keeps one reader and onnxruntime fuses its producer into an integer kernel.
 
 Why our own small IR and not onnx-ir / the onnxscript rewriter (both installed): an onnx-ir round trip of an
@@ -57,6 +59,7 @@ from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.onnx.rewrite.rewrite_report import RewriteReport, read_report, record_report
 from coreai_opt.onnx.rewrite.rule import Fail, Match, Rule, import_domains, run_rules
 from coreai_opt.onnx.rewrite.rules.attention_to_group_query_attention import AttentionToGroupQueryAttention
+from coreai_opt.onnx.rewrite.rules.average_pools_as_depthwise_convs import AveragePoolsAsDepthwiseConvs
 from coreai_opt.onnx.rewrite.rules.clip_16bit_activations import ClipSixteenBitActivations
 from coreai_opt.onnx.rewrite.rules.collapse_reshapes import CollapseReshapes
 from coreai_opt.onnx.rewrite.rules.drop_zero_biases import DropZeroBiases
@@ -98,6 +101,7 @@ POST_PASSES: tuple[Rule, ...] = (
     LinearsToGemm(),
     CollapseReshapes(),
     MeansToGlobalAveragePool(),
+    AveragePoolsAsDepthwiseConvs(),
     MeansToSumAndDivide(),
     GuardQuantizedSums(),
     FoldPadsIntoConvs(),

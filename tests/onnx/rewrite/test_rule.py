@@ -92,14 +92,14 @@ def test_collapse_reshapes_runs_only_after_linears_to_gemm_rewrote_something() -
     assert apply(model, [CollapseReshapes()]).counts == {"collapse_reshapes": 1}  # on its own it does apply
 
 
-def test_post_passes_are_the_twenty_two_rules_in_export_order_with_unique_names() -> None:
+def test_post_passes_are_the_twenty_three_rules_in_export_order_with_unique_names() -> None:
     assert [rule.name for rule in POST_PASSES] == [
         "fold_quantized_weights", "dynamic_matmuls_to_integer", "fold_weight_transposes", "write_matmul_nbits",
         "gather_block_quantized_rows", "gather_quantized_rows", "fuse_shared_input_matmul_nbits",
         "rms_norms_to_simplified_layer_norm", "attention_to_group_query_attention", "int8_kv_cache",
         "fold_constant_activations",
         "linears_to_gemm", "collapse_reshapes",
-        "means_to_global_average_pool",
+        "means_to_global_average_pool", "average_pools_as_depthwise_convs",
         "means_to_sum_and_divide", "guard_quantized_sums", "fold_pads_into_convs", "drop_zero_biases",
         "guard_float8_activations", "guard_4bit_activations", "clip_16bit_activations", "shapes_from_quantized",
     ]
