@@ -6,6 +6,7 @@ module reads weights, buffers and quantizer modules the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
@@ -15,7 +16,8 @@ from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.node_meta import tensor_info
 
-__all__ = ["attr_value", "bind_parameter", "exclusive_tensor", "get_attr_value", "node_shape", "split_target"]
+__all__ = ["attr_value", "bind_parameter", "exclusive_tensor", "get_attr_value", "node_shape",
+           "rescale_weight_and_bias", "split_target"]
 
 
 def split_target(target: object) -> tuple[str, str]:
@@ -91,3 +93,29 @@ def exclusive_tensor(gm: GraphModule, node: object, user: Node) -> torch.Tensor 
     if sum(1 for _, t in named if t is tensor) > 1:
         return None  # tied under another name
     return tensor
+
+
+def rescale_weight_and_bias(gm: GraphModule, layer: Node, weight_node: object, bias_node: object,
+                            rescale: Callable[[torch.Tensor, bool], torch.Tensor | None]) -> bool:
+    """Rebind ``layer``'s weight and bias to ``rescale(tensor, is_bias)``; False (nothing rebound) when it cannot.
+
+    Both must be floating-point ``get_attr`` tensors that only ``layer`` reads (:func:`exclusive_tensor`; the bias
+    node may be None), ``rescale`` must return a tensor for each (None: refuse) and every value must be finite.
+    The new tensors are new ``nn.Parameter`` objects (:func:`bind_parameter`), so the originals are untouched.
+    """
+    weight = exclusive_tensor(gm, weight_node, layer)
+    if weight is None or not weight.is_floating_point():
+        return False
+    bias = None
+    if bias_node is not None:
+        bias = exclusive_tensor(gm, bias_node, layer)
+        if bias is None or not bias.is_floating_point():
+            return False
+    with torch.no_grad():
+        rescaled = [rescale(t.detach(), is_bias) for t, is_bias in ((weight, False), (bias, True)) if t is not None]
+    if any(t is None or not bool(torch.isfinite(t).all()) for t in rescaled):
+        return False
+    bind_parameter(gm, str(weight_node.target), rescaled[0])
+    if bias is not None:
+        bind_parameter(gm, str(bias_node.target), rescaled[1])
+    return True

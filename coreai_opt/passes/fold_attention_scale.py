@@ -37,7 +37,7 @@ import math
 import torch
 from torch.fx import GraphModule, Node
 
-from coreai_opt.graph.graph_attrs import bind_parameter, exclusive_tensor, get_attr_value
+from coreai_opt.graph.graph_attrs import get_attr_value, rescale_weight_and_bias
 from coreai_opt.graph.node_meta import get_meta, tensor_info
 from coreai_opt.graph.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
@@ -110,25 +110,13 @@ def _projection(gm: GraphModule, start: object, positive: bool) -> Node | None:
 def _fold_into(gm: GraphModule, linear: Node, scale: float | torch.Tensor, divide: bool) -> bool:
     """Scale ``linear``'s weight and bias by ``1/scale`` (``divide``) or ``scale``; False when it cannot."""
     layout = lookup_op(linear, gm).layout
-    weight_node, bias_node = ArgLayout.get(linear, layout.weight), ArgLayout.get(linear, layout.bias)
-    weight = exclusive_tensor(gm, weight_node, linear)
-    if weight is None or not weight.is_floating_point():
-        return False
-    bias = None
-    if bias_node is not None:
-        bias = exclusive_tensor(gm, bias_node, linear)
-        if bias is None or not bias.is_floating_point():
-            return False
-    with torch.no_grad():
-        factor = scale.to(weight.device) if isinstance(scale, torch.Tensor) else scale
-        folded = [(t.detach() / factor if divide else t.detach() * factor).to(t.dtype)
-                  for t in (weight, bias) if t is not None]
-    if not all(bool(torch.isfinite(t).all()) for t in folded):
-        return False
-    bind_parameter(gm, str(weight_node.target), folded[0])
-    if bias is not None:
-        bind_parameter(gm, str(bias_node.target), folded[1])
-    return True
+
+    def rescale(t: torch.Tensor, _is_bias: bool) -> torch.Tensor:
+        factor = scale.to(t.device) if isinstance(scale, torch.Tensor) else scale
+        return (t / factor if divide else t * factor).to(t.dtype)
+
+    return rescale_weight_and_bias(gm, linear, ArgLayout.get(linear, layout.weight), ArgLayout.get(linear, layout.bias),
+                                   rescale)
 
 
 def fold_attention_scale(gm: GraphModule) -> PassResult:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from coreai_opt.graph.graph_attrs import bind_parameter, exclusive_tensor, get_attr_value
+from coreai_opt.graph.graph_attrs import get_attr_value, rescale_weight_and_bias
 from coreai_opt.graph.node_meta import get_meta, tensor_info
 from coreai_opt.graph.op_kinds import ArgLayout, OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
@@ -83,23 +83,15 @@ def _fold(gm: GraphModule, producer: Node, factors: torch.Tensor) -> bool:
     layout = lookup_op(producer, gm).layout
     if layout.weight_axes is not None:
         return False  # a [in, out] weight (addmm): not the canonical layout
-    weight_node, bias_node = ArgLayout.get(producer, layout.weight), ArgLayout.get(producer, layout.bias)
-    weight = exclusive_tensor(gm, weight_node, producer)
-    if weight is None or not weight.is_floating_point() or weight.dim() < 2 or weight.shape[0] != factors.numel():
-        return False
-    bias = exclusive_tensor(gm, bias_node, producer) if bias_node is not None else None
-    if bias_node is not None and (bias is None or not bias.is_floating_point() or bias.shape != factors.shape):
-        return False
-    with torch.no_grad():
-        rows = factors.reshape(-1, *([1] * (weight.dim() - 1)))
-        new_weight = (weight.detach().to(torch.float64) * rows).to(weight.dtype)
-        new_bias = (bias.detach().to(torch.float64) * factors).to(bias.dtype) if bias is not None else None
-    if not bool(new_weight.isfinite().all()) or (new_bias is not None and not bool(new_bias.isfinite().all())):
-        return False
-    bind_parameter(gm, str(weight_node.target), new_weight)
-    if new_bias is not None:
-        bind_parameter(gm, str(bias_node.target), new_bias)
-    return True
+
+    def rescale(t: torch.Tensor, is_bias: bool) -> torch.Tensor | None:
+        per_channel = t.shape == factors.shape if is_bias else t.dim() >= 2 and t.shape[0] == factors.numel()
+        if not per_channel:
+            return None  # not one bias entry / weight row (filter) per output channel
+        return (t.to(torch.float64) * factors.reshape(-1, *([1] * (t.dim() - 1)))).to(t.dtype)
+
+    return rescale_weight_and_bias(gm, producer, ArgLayout.get(producer, layout.weight),
+                                   ArgLayout.get(producer, layout.bias), rescale)
 
 
 def fold_channel_scales(gm: GraphModule) -> PassResult:

@@ -26,6 +26,8 @@ near miss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -38,13 +40,18 @@ __all__ = ["AveragePoolsAsDepthwiseConvs"]
 _NOT_SET = (b"NOTSET", "NOTSET")
 
 
+@dataclass(frozen=True)
+class _Site(Match):
+    channels: int
+
+
 class AveragePoolsAsDepthwiseConvs(Rule):
     """Quantized windowed ``AveragePool`` -> float depthwise ``Conv`` with weights ``1 / window`` (docstring)."""
 
     name = "average_pools_as_depthwise_convs"
     anchors = frozenset({"AveragePool"})
 
-    def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> Match | Fail | None:
+    def match(self, node: onnx.NodeProto, graph: OnnxGraph) -> _Site | Fail | None:
         """An ``AveragePool`` between a DQ and its single Q that onnxruntime would fuse (module docstring)."""
         if node.domain not in ("", "ai.onnx"):
             return None
@@ -66,15 +73,14 @@ class AveragePoolsAsDepthwiseConvs(Rule):
             return Fail("padding excluded from the count (count_include_pad=0): border windows average fewer values")
         if len(attrs.get("kernel_shape", [])) != 2 or any(int(d) != 1 for d in attrs.get("dilations", [1, 1])):
             return None
-        return Match(node)
+        return _Site(node, shape[1])
 
-    def rewrite(self, match: Match, graph: OnnxGraph) -> None:
+    def rewrite(self, match: _Site, graph: OnnxGraph) -> None:
         """``Conv(x, W = 1 / (k_h k_w), group = C)`` with the pool's strides and pads, in the pool's place."""
         node = match.node
         attrs = attributes_of(node)
         kernel = [int(k) for k in attrs["kernel_shape"]]
-        shape = graph.shape(node.input[0]) or graph.shape(graph.producer(node.input[0]).input[0])
-        channels = int(shape[1])
+        channels = match.channels
         weight = np.full((channels, 1, *kernel), 1.0 / (kernel[0] * kernel[1]), np.float32)
         weight_name = graph.add_initializer(graph.unique_name(f"{node.name or node.output[0]}_average_weight"), weight)
         conv = helper.make_node("Conv", [node.input[0], weight_name], [node.output[0]],
