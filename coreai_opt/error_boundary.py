@@ -103,6 +103,15 @@ def wrap_foreign(exc: Exception, function: str) -> UnexpectedError:
     return wrapped
 
 
+def _is_call_error(exc: Exception) -> bool:
+    """True for the caller's own mistake binding the arguments (``prepare() missing 1 required argument``).
+
+    Such a ``TypeError`` is raised before the public function's first line runs, so its traceback ends in the
+    wrapper's frame. Python's message names the argument; it is re-raised unchanged.
+    """
+    return isinstance(exc, TypeError) and exc.__traceback__ is not None and exc.__traceback__.tb_next is None
+
+
 def public_api(function: F) -> F:
     """Decorate a public function so that foreign exceptions leave it as :class:`UnexpectedError`.
 
@@ -116,7 +125,7 @@ def public_api(function: F) -> F:
         try:
             return function(*args, **kwargs)
         except Exception as exc:
-            if is_own_error(exc):
+            if is_own_error(exc) or _is_call_error(exc):
                 raise
             raise wrap_foreign(exc, name) from exc
 

@@ -14,15 +14,16 @@ more integer kernel per block (``QLinearMul``) and one more rounding: the convol
 the product again; onnxruntime's own quantizer gets the same fold from its float optimizer (``Conv → Mul`` fusion).
 
 Matched pattern (by :class:`~coreai_opt.graph.op_kinds.OpKind`): a ``MUL`` node ``y * g`` / ``g * y`` whose tensor
-operand ``y`` is a functional ``CONV`` or ``LINEAR`` (canonical weight layout) read by it alone (``x.shape``
-queries do not count), where ``g`` is a constant tensor read by ``get_attr``, directly or through one
-``reshape`` / ``view`` with constant sizes (timm's ``x.mul(self.gamma.reshape(1, -1, 1, 1))``), finite, whose shape
-broadcasts along the output channel axis only (1 for a convolution, the last for a linear; a single number scales
-every channel) and leaves the product's recorded shape and dtype those of ``y``. The weight and bias must be
-``get_attr`` tensors used by nothing else. The products are computed in float64 and rounded once. The folded
-tensors are new ``nn.Parameter`` objects on the GraphModule, so the user's model is never changed; ``g`` itself
-stays for its other readers. QAT keeps the multiply (``g`` trains on its own there): ``prepare`` runs this pass
-for post-training quantization only.
+operand ``y`` is a functional ``CONV`` or ``LINEAR`` (canonical weight layout) read by it alone (``x.shape`` queries
+do not count), directly or through identities (``nn.Identity``, an eval-mode dropout: timm's ``Mlp.drop2``) each
+read by the next alone, where ``g`` is a constant tensor read by ``get_attr``, directly or through one ``reshape`` /
+``view`` with constant sizes (timm's ``x.mul(self.gamma.reshape(1, -1, 1, 1))``), finite, whose shape broadcasts
+along the output channel axis only (1 for a convolution, the last for a linear; a single number scales every
+channel) and leaves the product's recorded shape and dtype those of ``y``. The weight and bias must be ``get_attr``
+tensors used by nothing else. The products are computed in float64 and rounded once. The folded tensors are new
+``nn.Parameter`` objects on the GraphModule, so the user's model is never changed; ``g`` itself stays for its other
+readers. QAT keeps the multiply (``g`` trains on its own there): ``prepare`` runs this pass for post-training
+quantization only.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.graph_attrs import get_attr_value, rescale_weight_and_bias
+from coreai_opt.graph.identity_ops import is_identity, skip_identities
 from coreai_opt.graph.node_meta import get_meta, tensor_info
 from coreai_opt.graph.op_kinds import ArgLayout, OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
@@ -78,6 +80,19 @@ def _channel_factors(producer: Node, product: Node, scale: torch.Tensor) -> torc
     return scale.reshape(-1).expand(shape[axis]).to(torch.float64)
 
 
+def _producer(gm: GraphModule, scaled: object) -> Node | None:
+    """The functional conv / linear whose output ``scaled`` is, directly or through identities it alone reads."""
+    if not isinstance(scaled, Node):
+        return None
+    producer = scaled
+    while is_identity(gm, producer) and producer.args and isinstance(producer.args[0], Node):
+        producer = producer.args[0]
+    if producer.op != "call_function" or get_meta(producer).kind not in (OpKind.CONV, OpKind.LINEAR) \
+            or skip_identities(gm, producer) is not scaled:
+        return None
+    return producer
+
+
 def _fold(gm: GraphModule, producer: Node, factors: torch.Tensor) -> bool:
     """Scale ``producer``'s weight rows (filters) and bias by ``factors``; False when it cannot."""
     layout = lookup_op(producer, gm).layout
@@ -108,15 +123,15 @@ def fold_channel_scales(gm: GraphModule) -> PassResult:
         if get_meta(node).kind is not OpKind.MUL or node.op not in ("call_function", "call_method") \
                 or len(node.args) != 2 or node.kwargs:
             continue
-        for producer, operand in (node.args, node.args[::-1]):
-            if not isinstance(producer, Node) or producer.op != "call_function" \
-                    or get_meta(producer).kind not in (OpKind.CONV, OpKind.LINEAR) or value_users(producer) != [node]:
+        for scaled, operand in (node.args, node.args[::-1]):
+            producer = _producer(gm, scaled)
+            if producer is None or value_users(scaled) != [node]:
                 continue
             constant = _constant(gm, operand)
             factors = _channel_factors(producer, node, constant[0]) if constant is not None else None
             if factors is None or not _fold(gm, producer, factors):
                 continue
-            node.replace_all_uses_with(producer)
+            node.replace_all_uses_with(scaled)
             gm.graph.erase_node(node)
             for leftover in constant[1:]:
                 if leftover is not None and not leftover.users:

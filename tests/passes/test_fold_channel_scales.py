@@ -19,15 +19,16 @@ W8A8 = QuantizerConfig.presets.w8a8
 
 
 class _ConvLayerScale(nn.Module):
-    """timm ConvNeXt's ``conv_mlp`` block tail: ``x + fc2(act(fc1(x))).mul(gamma.reshape(1, -1, 1, 1))``."""
+    """timm ConvNeXt's ``conv_mlp`` block tail: ``x + drop(fc2(act(fc1(x)))).mul(gamma.reshape(1, -1, 1, 1))``."""
 
-    def __init__(self, gamma_shape: tuple[int, ...] = (8,)) -> None:
+    def __init__(self, gamma_shape: tuple[int, ...] = (8,), drop: nn.Module | None = None) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Conv2d(8, 16, 1), nn.Conv2d(16, 8, 1)
+        self.drop = drop if drop is not None else nn.Identity()  # timm's Mlp.drop2: identity in eval
         self.gamma = nn.Parameter(torch.linspace(-0.5, 2.0, 8).reshape(gamma_shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc2(torch.relu(self.fc1(x)))
+        y = self.drop(self.fc2(torch.relu(self.fc1(x))))
         return x + y.mul(self.gamma.reshape(1, -1, 1, 1) if self.gamma.dim() == 1 else self.gamma)
 
 
@@ -48,6 +49,7 @@ def _muls(prepared: torch.fx.GraphModule) -> int:
 
 
 @pytest.mark.parametrize(("model", "x"), [(_ConvLayerScale(), torch.randn(2, 8, 5, 5)),
+                                          (_ConvLayerScale(drop=nn.Dropout(0.1)), torch.randn(2, 8, 5, 5)),
                                           (_LinearLayerScale(), torch.randn(2, 6, 8))])
 def test_a_layer_scale_is_folded_into_the_weights_and_the_float_model_is_unchanged(model: nn.Module,
                                                                                   x: torch.Tensor) -> None:

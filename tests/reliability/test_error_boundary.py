@@ -144,6 +144,19 @@ def test_a_warning_turned_into_an_error_by_a_filter_is_not_wrapped() -> None:
     assert type(info.value) is UserWarning
 
 
+def test_a_call_with_wrong_arguments_is_the_callers_type_error_unchanged() -> None:
+    with pytest.raises(TypeError, match=r"^prepare\(\) missing 1 required positional argument: 'example_inputs'$") \
+            as info:
+        co.prepare(nn.Linear(2, 2).eval(), (torch.randn(1, 2),))  # the config forgotten
+    assert type(info.value) is TypeError
+
+    @public_api
+    def typed() -> None:
+        len(3)  # a TypeError inside the body is foreign: wrapped
+    with pytest.raises(UnexpectedError, match="object of type 'int' has no len"):
+        typed()
+
+
 def test_keyboard_interrupt_is_never_wrapped() -> None:
     @public_api
     def interrupted() -> None:

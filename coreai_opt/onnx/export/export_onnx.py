@@ -5,28 +5,7 @@ Recipe: check the model is converted -> pick the opset from its quantizers (:mod
 weights in chunks before the model is serialised (:mod:`coreai_opt.onnx.export.prequantize_weights`: no float copy of
 them reaches the protobuf, and step 1 takes their integers as computed) -> apply the ONNX
 post-passes, in order (:data:`coreai_opt.onnx.rewrite.POST_PASSES`, one rule per module of
-:mod:`coreai_opt.onnx.rewrite`):
-
-1. ``fold_quantized_weights``: store constant weights and int32 biases quantized (initializer -> DequantizeLinear);
-2. ``dynamic_matmuls_to_integer``: dynamic activation × int8 weight -> MatMulInteger (DynamicQuantizeMatMul);
-3. ``fold_weight_transposes``: store transposed weights transposed (DequantizeLinear -> MatMul);
-4. ``write_matmul_nbits``: weight-only linears as ``MatMulNBits`` with the accuracy level their weight spec's
-    ``matmul_compute`` names (:mod:`coreai_opt.onnx.rewrite.rules.write_matmul_nbits`);
-5. ``gather_block_quantized_rows``: per-block embedding tables read row by row (``GatherBlockQuantized``);
-6. ``gather_quantized_rows``: gather embedding rows before dequantizing them;
-7. ``fold_constant_activations``: store a quantizer of a constant-only branch (position rows) as its integers;
-8. ``linears_to_gemm``: 8-bit linears on rank > 2 inputs as Reshape -> Gemm -> Reshape (onnxruntime's QGemm);
-9. ``collapse_reshapes``: drop the reshapes that cancel (after ``linears_to_gemm`` rewrote something);
-10. ``means_to_global_average_pool``: quantized spatial means as GlobalAveragePool;
-11. ``means_to_sum_and_divide``: other quantized means as ReduceSum -> Div(n) (OpenVINO computes those right);
-12. ``guard_quantized_sums``: ``Max(x, lowest)`` before a ReduceSum of an asymmetric 8/4-bit DQ (OpenVINO);
-13. ``drop_zero_biases``: drop all-zero conv / gemm biases;
-14. ``guard_float8_activations``: keep onnxruntime from deleting a Relu/Clip in front of a float8 / 4-bit Q;
-15. ``guard_4bit_activations``: keep onnxruntime from fusing ops around a 4-bit activation Q/DQ pair into
-    kernels it has no 4-bit form of;
-16. ``clip_16bit_activations``: an explicit Clip before every 16-bit activation Q (OpenVINO drops their clamp);
-17. ``shapes_from_quantized``: ``Shape`` of a quantized activation reads its ``QuantizeLinear`` (so it fuses);
-
+:mod:`coreai_opt.onnx.rewrite.rules`; the package docstring lists them, numbered, with what each rewrites)
 -> record what they did (``{rule: count}`` and the near misses) as the ``coreai_opt.rewrites`` metadata entry
 (:mod:`coreai_opt.onnx.rewrite.rewrite_report`) -> keep only the ``namespace`` entry of the exporter's per-node debug
 metadata -> ``onnx.checker`` -> atomic write (:mod:`coreai_opt.onnx.export.save`).
