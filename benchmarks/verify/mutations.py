@@ -66,6 +66,18 @@ def _add_initializer(model: onnx.ModelProto, base: str, array: np.ndarray) -> st
     return name
 
 
+def _overwrite(model: onnx.ModelProto, node: onnx.NodeProto, index: int, array: np.ndarray) -> None:
+    """``node``'s input ``index`` holds ``array``: that initializer rewritten under its own name (a corrupted file
+    keeps its names) when ``node`` is its only reader, else a new initializer for ``node`` alone."""
+    name = node.input[index]
+    readers = sum(name in n.input for n in model.graph.node)
+    stored = next(t for t in model.graph.initializer if t.name == name)
+    if readers == 1:
+        stored.CopyFrom(numpy_helper.from_array(array.astype(numpy_helper.to_array(stored).dtype), name))
+    else:
+        node.input[index] = _add_initializer(model, name, array)
+
+
 def _activation_pairs(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, list[onnx.NodeProto]]]:
     """(QuantizeLinear on an activation, the DequantizeLinear nodes reading it) with initializer scales."""
     inits = _initializers(model)
@@ -134,7 +146,7 @@ def _replace_weight(model: onnx.ModelProto, data_type: int, change: Callable[[np
     changed = change(numpy_helper.to_array(inits[dq.input[0]]))
     if changed is None:
         return None
-    dq.input[0] = _add_initializer(model, dq.input[0], changed)
+    _overwrite(model, dq, 0, changed)
     return model
 
 
@@ -173,7 +185,7 @@ def per_channel_scale_rolled(model: onnx.ModelProto) -> onnx.ModelProto | None:
     dq = _middle(dqs)
     if dq is None:
         return None
-    dq.input[1] = _add_initializer(model, dq.input[1], np.roll(numpy_helper.to_array(inits[dq.input[1]]), 1))
+    _overwrite(model, dq, 1, np.roll(numpy_helper.to_array(inits[dq.input[1]]), 1))
     return model
 
 
@@ -272,7 +284,8 @@ class DefectOutcome:
         output_change: ``max |mutated - clean|`` of onnxruntime's outputs over all batches (None when not run).
         flagged: ``not report.ok`` (None when ``verify_onnx`` did not run).
         first_quantizer: The first failing quantizer's traced call, e.g. ``"quantize_dequantize_3"``.
-        first_rule: The rule it failed (``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``, ``"missing"``).
+        first_rule: The rule it failed (``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``, ``"missing"``; ``"weight
+            codes"`` when only the stored weights differ, then ``first_quantizer`` is the weight quantizer's module).
         seconds: Time of ``verify_onnx`` on the mutated file.
     """
 
@@ -340,5 +353,7 @@ def judge_defect(model: nn.Module, clean_path: Path, batches: Sequence[tuple[tor
     status = "output unchanged" if changed == 0.0 else ("flagged" if not report.ok else "missed")
     if status != "output unchanged" or not report.ok:
         print(f"\n{clean_path.stem} {defect}: output changed by {changed:.3g}\n{report}")
+    if first is None and (weight := report.weights.first_failing) is not None:  # caught in the stored weights only
+        return DefectOutcome(defect, status, changed, not report.ok, weight.module, "weight codes", seconds)
     return DefectOutcome(defect, status, changed, not report.ok, None if first is None else first.call,
                          None if first is None else first.rule, seconds)

@@ -68,6 +68,7 @@ from coreai_opt.onnx.verify.output_steps import OutputStep
 from coreai_opt.onnx.verify.quantizer_codes import compare_quantizer_codes
 from coreai_opt.onnx.verify.runtimes import graph_input_names, open_runner
 from coreai_opt.onnx.verify.tolerance import OutputTolerance, derive_tolerances
+from coreai_opt.onnx.verify.weight_codes import WeightCheck, compare_weight_codes
 from coreai_opt.passes.sink_weight_quantizers import eager_order
 
 __all__ = [
@@ -92,6 +93,8 @@ class VerificationReport:
         quantizers: Eager vs onnxruntime codes at every activation quantizer on the first batch, with the rule
             that judged each (:class:`~coreai_opt.onnx.verify.quantizer_codes.QuantizerCodes`; empty for
             weight-only files, OpenVINO or ``check_quantizers=False``).
+        weights: The file's stored 8-bit weights against eager's, code by code
+            (:mod:`coreai_opt.onnx.verify.weight_codes`; empty with ``check_quantizers=False``).
     """
 
     path: Path
@@ -102,6 +105,7 @@ class VerificationReport:
     runtime: str = "onnxruntime"
     divergence: Divergence | None = None
     quantizers: tuple[QuantizerCodes, ...] = ()
+    weights: WeightCheck = WeightCheck()
 
     @property
     def first_failing_quantizer(self) -> QuantizerCodes | None:
@@ -126,8 +130,8 @@ class VerificationReport:
 
     @property
     def ok(self) -> bool:
-        """True when every output is within its derived tolerance and every activation quantizer passes."""
-        return all(o.ok for o in self.outputs) and all(q.ok for q in self.quantizers)
+        """True when every output is in its tolerance, every activation quantizer passes, every weight matches."""
+        return all(o.ok for o in self.outputs) and all(q.ok for q in self.quantizers) and self.weights.ok
 
     def __str__(self) -> str:
         header = ("output", "shape", "max |diff|", "steps", "allowed", "argmax agree", "ok")
@@ -147,6 +151,9 @@ class VerificationReport:
         if self.quantizers:
             failing = sum(not q.ok for q in self.quantizers)
             title += f", {len(self.quantizers)} quantizer(s) compared ({failing} failing)"
+        if self.weights.weights:
+            failing = sum(not w.ok for w in self.weights.weights)
+            title += f", {len(self.weights.weights)} weight(s) compared ({failing} failing)"
         lines = [f"{title}, ok={self.ok}"]
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines += [f"  tolerance of {o.name} ({o.rule}): {o.reason}" for o in self.outputs]
@@ -158,6 +165,8 @@ class VerificationReport:
             lines.append(f"  {self.divergence}")
         if (first := self.first_failing_quantizer) is not None:
             lines.append(f"  first failing quantizer: {first}")
+        if (weight := self.weights.first_failing) is not None:
+            lines.append(f"  first failing {weight}")
         return "\n".join(lines) + "\n" + str(self.fusion)
 
 
@@ -231,7 +240,8 @@ def verify_onnx(
             ``openvino`` extra). The tolerances are derived from onnxruntime's kernels either way.
         localize: When an output fails (onnxruntime only), find the first diverging quantizer or layer.
         check_quantizers: Compare codes and qparams at every activation quantizer on the first batch
-            (onnxruntime only; :mod:`coreai_opt.onnx.verify.quantizer_codes`).
+            (onnxruntime only; :mod:`coreai_opt.onnx.verify.quantizer_codes`), and the file's stored weights with
+            eager's (any runtime; :mod:`coreai_opt.onnx.verify.weight_codes`).
 
     Returns:
         A :class:`VerificationReport`: per-output max abs diff, diff in output quantization steps, the derived
@@ -263,6 +273,8 @@ def verify_onnx(
     graph_model = onnx.load(str(path), load_external_data=False)  # released before the eager forwards
     file_inputs = graph_input_names(graph_model.graph)
     steps = output_steps_of(graph_model)
+    # the stored weights against eager's, before any inference (coreai_opt.onnx.verify.weight_codes)
+    weights = compare_weight_codes(model, graph_model, path.parent) if check_quantizers else WeightCheck()
     codes = cache_scales(model, graph_model.graph)  # an int8 KV cache: fed and compared as the eager floats
     batches = [codes.snap(batch) for batch in batches] if codes else batches
     del graph_model
@@ -306,9 +318,9 @@ def verify_onnx(
             for k, o in enumerate(outputs)
         )
     divergence = None
-    judged_ok = all(o.ok for o in outputs) and all(q.ok for q in quantizers)
+    judged_ok = all(o.ok for o in outputs) and all(q.ok for q in quantizers) and weights.ok
     if localize and runtime == "onnxruntime" and any(o.on_file_codes is not None or not o.ok for o in outputs) \
             and not judged_ok:  # an output failed free-running, and the file fails: where the two first part
         divergence = localize_divergence(model, path, batches[0], providers=providers)
     return VerificationReport(path, len(batches), num_samples, outputs, fusion_report(path), runtime, divergence,
-                              quantizers)
+                              quantizers, weights)
