@@ -119,25 +119,51 @@ def _eager_multiplies_by_transpose(model: fx.GraphModule, quantizer: fx.Node) ->
     return False if kind is OpKind.MATMUL else None
 
 
-def _file_values(node: onnx.NodeProto, tensors: dict[str, onnx.TensorProto], base: Path) -> tuple[np.ndarray,
-                                                                                                    np.ndarray] | None:
-    """``((q - z) · s, s)`` broadcast to the weight, or None for a layout this check does not read."""
+class _Stored:
+    """A stored weight: its integer codes (as stored, 1 byte each), scale and zero point shaped to broadcast."""
+
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> None:
+        self.codes, self.scale, self.zero = codes, scale, zero
+
+    def compare(self, eager: np.ndarray) -> tuple[int, float]:
+        """``(codes differing by half a step or more, largest difference in steps)`` against ``eager``, by rows.
+
+        Rows are dequantized a slice at a time (about :data:`_CHUNK_ELEMENTS` values), so a large weight never has
+        a float copy of the file's side in memory.
+        """
+        rows = max(1, _CHUNK_ELEMENTS // max(1, int(np.prod(self.codes.shape[1:]))))
+        differing, largest = 0, 0.0
+        for start in range(0, self.codes.shape[0], rows):
+            part = slice(start, start + rows)
+            scale = self.scale[part] if self.scale.shape[0] > 1 else self.scale
+            zero = self.zero[part] if self.zero.shape[0] > 1 else self.zero
+            steps = np.abs((self.codes[part].astype(np.float32) - zero) * scale - eager[part])
+            steps /= np.maximum(np.abs(scale), np.finfo(np.float32).tiny)
+            differing += int((steps >= 0.5).sum())
+            largest = max(largest, float(steps.max(initial=0.0)))
+        return differing, largest
+
+
+#: Values dequantized at a time when comparing one weight.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _stored(node: onnx.NodeProto, tensors: dict[str, onnx.TensorProto], base: Path) -> _Stored | None:
+    """The weight a ``DequantizeLinear`` reads, or None for a layout this check does not read."""
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     if attributes.get("block_size", 0) or len(node.input) < 2 or node.input[1] not in tensors:
         return None
     stored = tensors[node.input[0]]
     if stored.data_type not in _EIGHT_BIT:
         return None
-    q = numpy_helper.to_array(stored, base_dir=str(base)).astype(np.float32)
+    codes = numpy_helper.to_array(stored, base_dir=str(base))
     scale = numpy_helper.to_array(tensors[node.input[1]], base_dir=str(base)).astype(np.float32)
     zero = (numpy_helper.to_array(tensors[node.input[2]], base_dir=str(base)).astype(np.float32)
             if len(node.input) > 2 and node.input[2] in tensors else np.zeros_like(scale))
+    shape = [1] * codes.ndim
     if scale.ndim == 1 and scale.size > 1:  # per axis: DequantizeLinear's axis defaults to 1
-        axis = int(attributes.get("axis", 1)) % q.ndim
-        shape = [1] * q.ndim
-        shape[axis] = scale.size
-        scale, zero = scale.reshape(shape), zero.reshape(shape)
-    return ((q - zero) * scale).astype(np.float32), np.broadcast_to(scale, q.shape)
+        shape[int(attributes.get("axis", 1)) % codes.ndim] = scale.size
+    return _Stored(codes, scale.reshape(shape), zero.reshape(shape))
 
 
 def compare_weight_codes(model: nn.Module, graph_model: onnx.ModelProto, base: Path) -> WeightCheck:
@@ -166,22 +192,21 @@ def compare_weight_codes(model: nn.Module, graph_model: onnx.ModelProto, base: P
         target = str(node.args[0].target)
         name = next((n for n in (f"{target}_quantized", target) if n in tensors), None)
         dequantize = _dequantize_node(graph_model.graph, name) if name is not None else None
-        read = _file_values(dequantize, tensors, base) if dequantize is not None else None
-        if read is None:
+        stored = _stored(dequantize, tensors, base) if dequantize is not None else None
+        if stored is None:
             skipped += 1
             continue
-        values, scale = read
-        with torch.no_grad():
+        with torch.no_grad():  # one fake-quantized weight in memory at a time
             eager = quantizer(parameter.detach()).float().numpy()
         if eager.ndim == 2:  # a matrix product's operand: read back in the orientation both products use
             in_file = _file_multiplies_by_transpose(graph_model.graph, dequantize.output[0])
             in_eager = _eager_multiplies_by_transpose(model, node)
             if in_file is not None and in_eager is not None and in_file != in_eager:
                 eager = eager.T  # stored transposed (fold_weight_transposes)
-        if eager.shape != values.shape:
+        if eager.shape != stored.codes.shape:
             skipped += 1
             continue
-        steps = np.abs(values - eager) / np.maximum(np.abs(scale), np.finfo(np.float32).tiny)
-        weights.append(WeightCodes(str(node.target), name, int(values.size), int((steps >= 0.5).sum()),
-                                   float(steps.max(initial=0.0))))
+        differing, largest = stored.compare(eager)
+        weights.append(WeightCodes(str(node.target), name, int(stored.codes.size), differing, largest))
+        del eager, stored
     return WeightCheck(tuple(weights), skipped)
