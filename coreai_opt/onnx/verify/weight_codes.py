@@ -29,6 +29,7 @@ from torch import fx, nn
 from coreai_opt.graph.graph_attrs import get_attr_value
 from coreai_opt.graph.node_meta import Role, get_meta
 from coreai_opt.graph.op_kinds import OpKind, lookup_op
+from coreai_opt.onnx.rewrite.graph import OnnxGraph
 from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
 
 __all__ = ["WeightCheck", "WeightCodes", "compare_weight_codes"]
@@ -82,21 +83,20 @@ class WeightCheck:
         return next((w for w in self.weights if not w.ok), None)
 
 
-def _dequantize_node(graph: onnx.GraphProto, initializer: str) -> onnx.NodeProto | None:
-    return next((n for n in graph.node if n.op_type == "DequantizeLinear" and n.input and n.input[0] == initializer),
-                None)
+def _dequantize_node(graph: OnnxGraph, initializer: str) -> onnx.NodeProto | None:
+    readers = graph.readers(initializer)
+    return next((n for n in readers if n.op_type == "DequantizeLinear" and n.input[0] == initializer), None)
 
 
-def _file_multiplies_by_transpose(graph: onnx.GraphProto, value: str) -> bool | None:
+def _file_multiplies_by_transpose(graph: OnnxGraph, value: str) -> bool | None:
     """Whether the file's matrix product reads ``value`` transposed (Gemm ``transB=1``), or None for a non-product.
 
     MatMul and Gemm ``transB=0`` read it as it is; one ``Transpose`` in between flips the answer; any other reader
     (conv, gather, ...) gives None.
     """
-    readers = [n for n in graph.node if value in n.input]
-    if len(readers) != 1:
+    reader = graph.only_reader(value)
+    if reader is None:
         return None
-    reader = readers[0]
     if reader.op_type == "Transpose" and len(reader.output) == 1:
         inner = _file_multiplies_by_transpose(graph, reader.output[0])
         return None if inner is None else not inner
@@ -177,6 +177,7 @@ def compare_weight_codes(model: nn.Module, graph_model: onnx.ModelProto, base: P
     if not isinstance(model, fx.GraphModule):
         return WeightCheck()
     tensors = {t.name: t for t in graph_model.graph.initializer}
+    graph = OnnxGraph(graph_model)  # reader index: each lookup below without a scan of every node
     weights, skipped = [], 0
     for node in model.graph.nodes:
         if node.op != "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
@@ -191,7 +192,7 @@ def compare_weight_codes(model: nn.Module, graph_model: onnx.ModelProto, base: P
             continue
         target = str(node.args[0].target)
         name = next((n for n in (f"{target}_quantized", target) if n in tensors), None)
-        dequantize = _dequantize_node(graph_model.graph, name) if name is not None else None
+        dequantize = _dequantize_node(graph, name) if name is not None else None
         stored = _stored(dequantize, tensors, base) if dequantize is not None else None
         if stored is None:
             skipped += 1
@@ -199,7 +200,7 @@ def compare_weight_codes(model: nn.Module, graph_model: onnx.ModelProto, base: P
         with torch.no_grad():  # one fake-quantized weight in memory at a time
             eager = quantizer(parameter.detach()).float().numpy()
         if eager.ndim == 2:  # a matrix product's operand: read back in the orientation both products use
-            in_file = _file_multiplies_by_transpose(graph_model.graph, dequantize.output[0])
+            in_file = _file_multiplies_by_transpose(graph, dequantize.output[0])
             in_eager = _eager_multiplies_by_transpose(model, node)
             if in_file is not None and in_eager is not None and in_file != in_eager:
                 eager = eager.T  # stored transposed (fold_weight_transposes)
