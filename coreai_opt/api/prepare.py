@@ -3,8 +3,9 @@
 The recipe (each step a pass from :mod:`coreai_opt.passes`)::
 
     capture (→ functionalize_inplace) → check_finite_weights → complex_as_real → factories_from_metadata →
-    remove_dead_nodes → decompose_attention → decompose_silu → order_ties → classify_ops → functionalize_weights →
-    fold_batchnorm → fold_attention_scale → fold_channel_scales → annotate → insert_quantizers → check_activation_axes →
+    remove_dead_nodes → decompose_attention → decompose_silu → recompose_gelu → order_ties → classify_ops →
+    functionalize_weights → fold_batchnorm → fold_attention_scale → fold_channel_scales → annotate →
+    insert_quantizers → check_activation_axes →
     quantize_kv_cache (``config.kv_cache``) → int8_compute_inputs (weight-only linears with
     ``matmul_compute="int8"``) → insert_weight_statistics
 
@@ -49,6 +50,7 @@ from coreai_opt.passes.insert_weight_statistics import insert_weight_statistics
 from coreai_opt.passes.int8_compute_inputs import int8_compute_inputs
 from coreai_opt.passes.order_ties import order_ties
 from coreai_opt.passes.quantize_kv_cache import quantize_kv_cache
+from coreai_opt.passes.recompose_gelu import recompose_gelu
 
 __all__ = ["prepare"]
 
@@ -139,6 +141,7 @@ def prepare(
         gm.recompile()
     gm = decompose_attention(gm).graph_module
     gm = decompose_silu(gm, config.resolve).graph_module
+    gm = recompose_gelu(gm, config.resolve).graph_module  # tanh GELU written as arithmetic: one Gelu in the file
     gm = order_ties(gm).graph_module  # sort / topk ties in onnxruntime's order, so eager and the file agree
     gm = classify_ops(gm).graph_module
     op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]

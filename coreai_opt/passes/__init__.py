@@ -1,11 +1,7 @@
 """The graph passes of coreai_opt, one pass per file (their shared helpers are :mod:`coreai_opt.graph`).
 
-``prepare`` runs them as a recipe::
-
-    capture (→ functionalize_inplace) → decompose_attention → classify_ops → functionalize_weights →
-    fold_batchnorm → annotate → insert_quantizers → insert_weight_statistics
-
-and ``convert`` runs ``drop_redundant_activations``. Passes that delete nodes use
+``prepare`` runs them in the order its module docstring lists (:mod:`coreai_opt.api.prepare`, the one copy of the
+recipe), and ``convert`` runs ``drop_redundant_activations``. Passes that delete nodes use
 :func:`~coreai_opt.graph.dead_code.remove_dead_nodes` (never ``Graph.eliminate_dead_code``, which deletes in-place
 ops whose result is unused); captured graphs are :class:`~coreai_opt.graph.savable_graph_module.SavableGraphModule`
 so that ``torch.save`` / ``pickle`` keep them whole. Every pass takes the GraphModule the pipeline owns and

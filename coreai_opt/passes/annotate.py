@@ -88,6 +88,7 @@ from coreai_opt.graph.node_meta import (
 from coreai_opt.graph.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
 from coreai_opt.graph.shape_queries import value_users
+from coreai_opt.graph.unread_outputs import drop_unread_linear_outputs
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, PerBlock, PerChannel, QuantizationSpec
 
 __all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate", "Resolver"]
@@ -194,6 +195,7 @@ class _Matcher:
         self.error_kinds: set[str] = set()  # "block" (block size does not divide) / "axis" (axis out of range)
         self.fallbacks: list[str] = []
         self.fused: dict[Node, QuantSpec] = {}
+        self.global_linear_outputs: list[Node] = []  # own output spec from the global default (unread_outputs)
         self._resolved: dict[Node, _Resolved] = {}
         self.integer_derived = integer_input_derived(gm)
 
@@ -300,6 +302,8 @@ class _Matcher:
                 reason = reason or f"{_label(node)} output quantized after the fused {fused}"
             else:
                 output = QuantSpec(out_spec, Role.ACTIVATION, refines=refines)
+                if meta.kind is OpKind.LINEAR and _activation_source(resolved.source) == "global":
+                    self.global_linear_outputs.append(node)
         if not inputs and output is None:
             return None, reason
         return Annotation(tuple(inputs), output), reason
@@ -361,6 +365,7 @@ def annotate(
         reason = "; ".join(r for r in (meta.float_reason, reason) if r) or None  # keep earlier passes' reasons
         set_meta(node, replace(meta, annotation=annotation, float_reason=reason))
         changes += annotation is not None
+    drop_unread_linear_outputs(matcher.global_linear_outputs)  # onnxruntime's integer linears write float
     if matcher.fallbacks:
         warnings.warn(
             "per-block weight quantization does not fit these layers, which use per-channel scales instead: "

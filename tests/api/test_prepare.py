@@ -24,13 +24,13 @@ W8A8_COUNTS = {
     "resnet18": {"input": 1, "conv": 51, "relu": 17, "avg_pool": 1, "linear": 3},
     "mobilenet_v2": {"input": 1, "conv": 122, "relu6": 34, "add": 11, "hardswish": 1, "avg_pool": 1, "linear": 3},
     "conv_transpose_decoder": {"input": 1, "conv": 11, "relu": 5, "cat": 1, "conv_transpose": 2},
-    "transformer_encoder": {"embedding": 2, "parameter": 1, "add": 5, "layer_norm": 4, "linear": 39, "matmul": 4,
+    "transformer_encoder": {"embedding": 2, "parameter": 1, "add": 5, "layer_norm": 4, "linear": 37, "matmul": 4,
                             "softmax": 2, "gelu": 2, "avg_pool": 1},
     # nn.TransformerEncoderLayer calls SDPA: decomposed, each layer quantizes q, k, q·kᵀ, the scaled scores (the
     # packed in_proj keeps the scale from folding), the softmax output, v and p·v
     "torch_transformer": {"linear": 25, "input": 1, "matmul": 4, "mul": 2, "softmax": 2, "add": 4, "layer_norm": 3,
                           "relu": 2, "avg_pool": 1},
-    "shape_unpack": {"linear": 9, "input": 1, "div": 1, "avg_pool": 1},
+    "shape_unpack": {"linear": 7, "input": 1, "div": 1, "avg_pool": 1},
     "conv1d_groupnorm": {"input": 1, "conv": 6, "silu": 2, "avg_pool": 1, "linear": 3},
 }
 WEIGHT_ONLY = ("w8", "w4")

@@ -1,5 +1,9 @@
 """Refactors change no export: every zoo model x preset builds the recorded quantizers and writes the recorded file.
 
+The 14 activation-quantizing cases of ``transformer_encoder`` and ``shape_unpack`` were re-recorded (Dec 6, issue 29)
+when linear outputs that only float ops read began to stay float (:mod:`coreai_opt.graph.unread_outputs`: their
+``QGemm`` writes float): the feed-forward ``linear → GELU`` and shape_unpack's ``proj → GELU`` / ``mix → mean`` lost
+their output quantizers; the other 54 cases are unchanged (torch_transformer's linears feed quantized adds).
 All 67 exported cases were re-recorded when the rule ``average_pools_as_depthwise_convs`` joined the post-passes:
 only ``onnx_structure_sha256`` and ``onnx_file_sha256`` changed (the rewrite report in the model metadata lists the
 new rule); quantizers, graphs, stored values and eager outputs are unchanged (no zoo model has a quantized windowed

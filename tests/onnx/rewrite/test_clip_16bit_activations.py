@@ -239,7 +239,7 @@ def _outputs(model: onnx.ModelProto, inputs: list[np.ndarray]) -> list[np.ndarra
 _SMALL = ("shape_unpack", "conv1d_groupnorm")
 #: Measured activation quantizers per zoo w8a16 file (all of them get a Clip; docs/openvino.md).
 _SIXTEEN_BIT_QUANTIZERS = {"resnet18": 33, "mobilenet_v2": 68, "conv_transpose_decoder": 8,
-                           "transformer_encoder": 41, "torch_transformer": 38, "shape_unpack": 7,
+                           "transformer_encoder": 41, "torch_transformer": 38, "shape_unpack": 4,
                            "conv1d_groupnorm": 8}
 
 

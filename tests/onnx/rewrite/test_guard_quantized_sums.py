@@ -93,6 +93,9 @@ def _export(name: str, preset: str, path: Path, rules: tuple[rewrite.Rule, ...])
         if name == "transformer_encoder":  # its mean pooling reads the final norm, float by default (no integer
             # kernel): an op_kind entry quantizes the norm's output, so the mean reads a DequantizeLinear
             config = config.set_op_kind("layer_norm", {"activation": config.activation})
+        if name == "shape_unpack":  # its mean reads the mix linear, whose output only float ops read, so it stays
+            # float by default (graph/unread_outputs.py): an op_kind entry quantizes it, so the mean reads a DQ
+            config = config.set_op_kind("linear", {"activation": config.activation})
         prepared = coreai_opt.prepare(model, config, example)
         coreai_opt.calibrate(prepared, batches, progress=False)
         patch.setattr(rewrite, "POST_PASSES", rules)
