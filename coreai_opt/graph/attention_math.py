@@ -27,6 +27,10 @@ def masked_softmax(scores: Tensor, scale: float, mask: Tensor | None = None, is_
     subexpression, which onnxruntime evaluates once). It equals "every logit is :math:`-\infty`" whenever the
     scores are finite, which holds for quantized scores (a dequantized integer times a finite scale).
 
+    With a bool mask (or none) the masking is arithmetic, in the mask's shape: ``logits + where(A or dead, 0, -inf)``,
+    then the probabilities times ``1 - dead`` (exact: ``x + 0 = x``, ``x + (-inf) = -inf`` for finite ``x``, and
+    ``p · 1 = p``); a dead row's logits stay finite and its probabilities become ``p · 0 = 0``.
+
     Args:
         scores: :math:`Q K^\top`, ``[..., L, S]``.
         scale: The softmax scale.
@@ -43,14 +47,19 @@ def masked_softmax(scores: Tensor, scale: float, mask: Tensor | None = None, is_
         allowed = torch.ones(length, source, dtype=torch.bool, device=logits.device).tril()
     if mask is not None and mask.dtype == torch.bool:
         allowed = mask if allowed is None else allowed & mask
+    if mask is None or mask.dtype == torch.bool:
+        if allowed is None:
+            return torch.softmax(logits, dim=-1)
+        # additive mask and row factor in the mask's shape (computed once for all layers in onnxruntime, which
+        # broadcasts Add / Mul faster than Where): a dead row gets finite logits, then a factor of 0
+        dead = allowed.any(dim=-1, keepdim=True).logical_not()
+        additive = torch.where(allowed | dead, 0.0, float("-inf")).to(logits.dtype)
+        return torch.softmax(logits + additive, dim=-1) * dead.logical_not().to(logits.dtype)
     if allowed is not None:
-        logits = logits.masked_fill(allowed.logical_not(), float("-inf"))
-    if mask is not None and mask.dtype != torch.bool:
-        logits = logits + mask
-        finite = mask.isneginf().logical_not()
-        allowed = finite if allowed is None else allowed & finite
+        logits = logits + torch.where(allowed, 0.0, float("-inf")).to(logits.dtype)
+    logits = logits + mask
+    finite = mask.isneginf().logical_not()
+    allowed = finite if allowed is None else allowed & finite
     probs = torch.softmax(logits, dim=-1)
-    if allowed is None:
-        return probs
     dead = allowed.any(dim=-1, keepdim=True).logical_not()
     return torch.where(dead, 0.0, probs)

@@ -2,7 +2,7 @@ r"""Rule: the KV-cache decoder's float attention block -> per-row ``RotaryEmbedd
 
 :mod:`coreai_opt.graph.kv_cache_decoder` exports each layer's attention as about 40 small kernels: the q / k / v
 projections reshaped to heads, rotary as ``Slice / Neg / Concat / Mul / Add`` per q and k, the cache ``Concat``,
-the grouped scores ``MatMul -> Mul(scale) -> Where(mask) -> Softmax -> Where(dead rows) -> MatMul`` and the
+the grouped scores ``MatMul -> Mul(scale) -> Add(mask bias) -> Softmax -> Mul(live rows) -> MatMul`` and the
 ``Reshape / Transpose`` chain back to ``(batch, sequence, heads · D)``. On a one-token decode step their per-kernel
 overhead dominates. This rule writes the block in three onnxruntime kernels: with :math:`q, k, v` the projections,
 :math:`P` the past length, :math:`T = P + S` and positions :math:`p_{b,t}` (``position_ids``, per row),
@@ -62,7 +62,8 @@ batch): "batch_size must be 1 when sequence_length > 1 and past context is given
 Sites (anchor: the ``Softmax``; everything below must hold, else the block stays as it is):
 
 * float32 scores ``MatMul(q', Transpose(present_key, [0, 1, 3, 2])) -> Mul(constant scale) ->
-  Where(Not(mask'), -inf, ·) -> Softmax(last axis) [-> Where(·, 0, ·)] -> MatMul(·, present_value) [-> Reshape]
+  Add(·, Where(Or(mask', dead rows), 0, -inf)) -> Softmax(last axis) [-> Mul(live rows)] -> MatMul(·,
+  present_value) [-> Reshape]
   -> Transpose([0, 2, 1, 3]) -> Reshape`` to ``(batch, sequence, heads · D)`` (the first ``Reshape`` unfolds
   grouped heads); no softcap (``Tanh``), no ALiBi or other
   additive bias;
@@ -189,16 +190,10 @@ class AttentionToGroupQueryAttention(Rule):
         """Walk from the ``Softmax`` to the scores, the cache, the rotary and the output (module docstring)."""
         if node.domain not in ("", "ai.onnx") or int(attributes_of(node).get("axis", -1)) not in (-1, 3):
             return None
-        masked = graph.producer(node.input[0])
-        if not _op(masked, "Where") or graph.only_reader(masked.output[0]) is None:
+        found = self._masked_scores(graph, node)
+        if found is None:
             return None
-        fill = graph.constant(masked.input[1])
-        negate = graph.producer(masked.input[0])
-        if fill is None or fill.size != 1 or not np.isneginf(fill).all() or not _op(negate, "Not"):
-            return None
-        scaled = graph.producer(masked.input[2])
-        if not _op(scaled, "Mul"):
-            return None
+        scaled, allowed = found
         scores, scale = next(((graph.producer(a), graph.constant(b)) for a, b in (scaled.input, scaled.input[::-1])
                               if graph.constant(b) is not None), (None, None))
         if not _op(scores, "MatMul") or scale is None or scale.size != 1:
@@ -208,7 +203,7 @@ class AttentionToGroupQueryAttention(Rule):
             return None
         present_key = graph.producer(key_t.input[0])
         reader = graph.only_reader(node.output[0])
-        if _op(reader, "Where") and reader.input[2] == node.output[0] and graph.constant(reader.input[1]) is not None:
+        if _op(reader, "Mul"):  # times the live-row factor (graph/attention_math.py)
             reader = graph.only_reader(reader.output[0])
         if not _op(reader, "MatMul") or reader.input[1] == reader.input[0]:
             return None
@@ -258,8 +253,10 @@ class AttentionToGroupQueryAttention(Rule):
             return Fail(f"{heads} query heads over {kv_heads} key / value heads")
         if size % 16:
             return Fail(f"head size {size} is not a multiple of 16 (onnxruntime's rotary kernel)")
-        mask = _grouped(graph, negate.input[0], heads // kv_heads)
-        padding = _causal_and_padding(graph, mask) if mask is not None else None
+        padding = None
+        for candidate in allowed:
+            mask = _grouped(graph, candidate, heads // kv_heads)
+            padding = padding or (_causal_and_padding(graph, mask) if mask is not None else None)
         if padding is None:
             return Fail("the mask is not causal & attention_mask (sliding window or another mask)")
         _, sources = ancestors(graph, [cos, sin])
@@ -273,6 +270,23 @@ class AttentionToGroupQueryAttention(Rule):
                      (present_key, present_value), output, padding[1], padding[0], position_ids,
                      (tables[0][:, :size // 2].copy(), tables[1][:, :size // 2].copy()), heads, kv_heads,
                      float(scale.reshape(-1)[0]), None if codes[0] is None else (codes[0], codes[1]))
+
+    @staticmethod
+    def _masked_scores(graph: OnnxGraph, softmax: onnx.NodeProto) -> tuple[onnx.NodeProto, list[str]] | None:
+        """The scaled scores ``Mul`` and the candidate masks of ``Add(scaled, Where(Or(mask, dead), 0, -inf))``."""
+        masked = graph.producer(softmax.input[0])
+        if not _op(masked, "Add") or graph.only_reader(masked.output[0]) is None:
+            return None
+        for scores, bias in (masked.input, masked.input[::-1]):
+            scaled, where = graph.producer(scores), graph.producer(bias)
+            if not _op(scaled, "Mul") or not _op(where, "Where"):
+                continue
+            zero, fill = graph.constant(where.input[1]), graph.constant(where.input[2])
+            either = graph.producer(where.input[0])
+            if zero is not None and fill is not None and zero.size == fill.size == 1 and not zero.any() \
+                    and np.isneginf(fill).all() and _op(either, "Or"):
+                return scaled, list(either.input)
+        return None
 
     @staticmethod
     def _output(graph: OnnxGraph, heads: str) -> onnx.NodeProto | None:
