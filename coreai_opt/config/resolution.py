@@ -9,7 +9,7 @@ the nearest class in the op's module's MRO.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Literal, NamedTuple, Protocol
 
@@ -17,7 +17,7 @@ from coreai_opt.config.module_types import qualified_name
 from coreai_opt.config.op_config import OpConfig
 from coreai_opt.quantization.spec import QuantizationSpec
 
-__all__ = ["ConfigLevels", "ResolvedSpecs", "resolve_specs"]
+__all__ = ["ConfigLevels", "ResolvedSpecs", "Resolver", "resolve_specs"]
 
 
 class ConfigLevels(Protocol):
@@ -44,6 +44,11 @@ class ResolvedSpecs(NamedTuple):
     weight: QuantizationSpec | None
     activation: QuantizationSpec | None
     source: str
+
+
+
+#: ``resolve(op_kind, module_name, module_type) -> ResolvedSpecs`` (``QuantizerConfig.resolve``), as passes take it.
+Resolver = Callable[[str, "str | None", "type | None"], ResolvedSpecs]
 
 
 def resolve_specs(

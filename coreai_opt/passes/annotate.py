@@ -63,12 +63,12 @@ node at once. Ops left float get a reason in
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from torch.fx import GraphModule, Node
 
+from coreai_opt.config.resolution import Resolver
 from coreai_opt.graph.activation_ranges import edge_request_spec, fixed_range_spec
 from coreai_opt.graph.float_only_ops import float_only_reason, yields_to_neighbours
 from coreai_opt.graph.graph_attrs import node_shape
@@ -100,8 +100,6 @@ class _Resolved(NamedTuple):
     source: str
 
 
-#: ``resolve(op_kind, module_name, module_type) -> ResolvedSpecs(weight, activation, source)``.
-Resolver = Callable[[str, "str | None", "type | None"], Any]
 
 _FUSABLE = frozenset({OpKind.RELU, OpKind.RELU6, OpKind.HARDTANH})
 

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from coreai_opt.graph.node_meta import get_meta, set_meta, tensor_info
+from coreai_opt.config.resolution import Resolver
+from coreai_opt.graph.node_meta import copy_provenance, get_meta, set_meta, tensor_info
 from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.graph.pass_result import PassResult
 
@@ -47,8 +48,6 @@ aten = torch.ops.aten
 #: The ``call_function`` targets this pass splits (FX and torch.export forms).
 SILU_FUNCTIONS = (torch.nn.functional.silu, aten.silu.default, aten.silu)
 
-#: ``resolve(op_kind, module_name, module_type) -> ResolvedSpecs`` (``QuantizerConfig.resolve``).
-Resolver = Callable[[str, "str | None", "type | None"], object]
 
 
 def _is_silu(node: Node, gm: GraphModule) -> bool:
@@ -85,9 +84,7 @@ def _split_keeps_config(resolve: Resolver, node: Node) -> bool:
 def _call(gm: GraphModule, silu: Node, target: Callable[..., torch.Tensor], args: tuple[object, ...]) -> Node:
     with gm.graph.inserting_before(silu):
         node = gm.graph.call_function(target, args)
-    for key in ("nn_module_stack", "stack_trace", "val", "tensor_meta"):  # sigmoid and mul: silu's shape, dtype
-        if key in silu.meta:
-            node.meta[key] = silu.meta[key]
+    copy_provenance(silu, node)  # sigmoid and mul: silu's shape, dtype, module and source line
     set_meta(node, replace(get_meta(silu), kind=None))
     return node
 

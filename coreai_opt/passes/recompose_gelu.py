@@ -27,14 +27,14 @@ module therefore leaves the chain as written. It runs after ``decompose_silu`` a
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from coreai_opt.graph.node_meta import get_meta, set_meta
+from coreai_opt.config.resolution import Resolver
+from coreai_opt.graph.node_meta import copy_provenance, get_meta, set_meta
 from coreai_opt.graph.op_kinds import OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
 
@@ -42,8 +42,6 @@ __all__ = ["recompose_gelu"]
 
 aten = torch.ops.aten
 
-#: ``resolve(op_kind, module_name, module_type) -> ResolvedSpecs`` (``QuantizerConfig.resolve``).
-Resolver = Callable[[str, "str | None", "type | None"], object]
 
 _KINDS = (OpKind.ADD, OpKind.SUB, OpKind.MUL, OpKind.DIV, OpKind.TANH)
 _POWS = (torch.pow, operator.pow, aten.pow)
@@ -180,9 +178,7 @@ def recompose_gelu(gm: GraphModule, resolve: Resolver) -> PassResult:
         with gm.graph.inserting_before(output):
             gelu = gm.graph.call_function(aten.gelu.default if aten_graph else nn.functional.gelu, (x,),
                                           {"approximate": "tanh"})
-        for key in ("nn_module_stack", "stack_trace", "val", "tensor_meta"):
-            if key in output.meta:
-                gelu.meta[key] = output.meta[key]
+        copy_provenance(output, gelu)
         set_meta(gelu, replace(get_meta(output), kind=None))
         output.replace_all_uses_with(gelu)
         for node in reversed(region):
