@@ -64,11 +64,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch.fx import GraphModule, Node
 
-from coreai_opt.config.resolution import Resolver
 from coreai_opt.graph.activation_ranges import edge_request_spec, fixed_range_spec
 from coreai_opt.graph.float_only_ops import float_only_reason, yields_to_neighbours
 from coreai_opt.graph.graph_attrs import node_shape
@@ -91,7 +90,10 @@ from coreai_opt.graph.shape_queries import value_users
 from coreai_opt.graph.unread_outputs import drop_unread_linear_outputs
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, PerBlock, PerChannel, QuantizationSpec
 
-__all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate", "Resolver"]
+if TYPE_CHECKING:  # config imports the passes (level_keys): a type only, no import cycle
+    from coreai_opt.config.resolution import Resolver
+
+__all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate"]
 
 
 class _Resolved(NamedTuple):

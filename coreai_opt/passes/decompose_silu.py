@@ -31,15 +31,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from coreai_opt.config.resolution import Resolver
 from coreai_opt.graph.node_meta import copy_provenance, get_meta, set_meta, tensor_info
 from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.graph.pass_result import PassResult
+
+if TYPE_CHECKING:  # config imports the passes (level_keys): a type only, no import cycle
+    from coreai_opt.config.resolution import Resolver
 
 __all__ = ["SILU_FUNCTIONS", "decompose_silu"]
 

@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from coreai_opt.config.resolution import Resolver
 from coreai_opt.graph.node_meta import copy_provenance, get_meta, set_meta
 from coreai_opt.graph.op_kinds import OpKind, lookup_op
 from coreai_opt.graph.pass_result import PassResult
+
+if TYPE_CHECKING:  # config imports the passes (level_keys): a type only, no import cycle
+    from coreai_opt.config.resolution import Resolver
 
 __all__ = ["recompose_gelu"]
 
