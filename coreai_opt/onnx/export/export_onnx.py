@@ -59,6 +59,7 @@ from coreai_opt.onnx.export.prequantize_weights import (
 )
 from coreai_opt.onnx.export.rounded_weights import bind_rounded_weights, rounded_weight_buffers
 from coreai_opt.onnx.export.save import check_output_path, save_model_atomically
+from coreai_opt.onnx.export.torchlib_registry import torchlib_registry_reused
 from coreai_opt.onnx.rewrite.rewrite_report import ABSORBED_KEY, record_report
 from coreai_opt.onnx.rewrite.rules.write_matmul_nbits import finish_matmul_nbits
 from coreai_opt.passes.sink_weight_quantizers import eager_order
@@ -197,7 +198,8 @@ def _dynamo_export(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
     input_names: list[str], output_names: list[str],
 ) -> torch.onnx.ONNXProgram:
-    with without_quadratic_rewrites():  # one optimizer rule's cost grows with the square of our Slice readers
+    # one optimizer rule's cost grows with the square of our Slice readers; torchlib's table is built once
+    with without_quadratic_rewrites(), torchlib_registry_reused():
         return torch.onnx.export(
             model,
             inputs,
