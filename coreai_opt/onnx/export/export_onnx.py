@@ -25,6 +25,7 @@ from torch import nn
 
 from coreai_opt import third_party_noise
 from coreai_opt.error_boundary import public_api
+from coreai_opt.gc_paused import gc_paused
 from coreai_opt.graph.graph_meta import get_graph_meta, output_leaves
 from coreai_opt.graph.node_meta import Role, get_meta
 from coreai_opt.onnx import rewrite
@@ -198,8 +199,9 @@ def _dynamo_export(
     model: nn.Module, inputs: tuple[torch.Tensor, ...], opset: int, axes: list[dict[int, str]],
     input_names: list[str], output_names: list[str],
 ) -> torch.onnx.ONNXProgram:
-    # one optimizer rule's cost grows with the square of our Slice readers; torchlib's table is built once
-    with without_quadratic_rewrites(), torchlib_registry_reused():
+    # one optimizer rule's cost grows with the square of our Slice readers; torchlib's table is built once; the
+    # cyclic collector would walk the whole process's objects again and again while torch allocates
+    with without_quadratic_rewrites(), torchlib_registry_reused(), gc_paused():
         return torch.onnx.export(
             model,
             inputs,
