@@ -8,7 +8,8 @@ the collector on, 10.0 - 11.9 s paused, and the garbage it would have found is s
 released by the next collection after the block). Reference counting still frees everything that is not in a
 cycle, so tensors go as soon as they are unused.
 
-:func:`gc_paused` disables the collector for a ``with`` block and restores the caller's setting afterwards (a caller
+:func:`gc_paused` disables the collector for a ``with`` block (``prepare``'s capture and graph passes,
+``export_onnx``'s trace) and restores the caller's setting afterwards (a caller
 that had disabled it keeps it disabled); torch's distributed checkpointing does the same around its state-dict
 traversals. The collector is process-wide: other threads run without it for the duration of the block too.
 """

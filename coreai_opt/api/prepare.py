@@ -28,6 +28,7 @@ from coreai_opt.api.internals.quantizer_state import bias_quantizers, commit_wei
 from coreai_opt.api.internals.unmatched_config import warn_unmatched_entries
 from coreai_opt.config import QuantizerConfig
 from coreai_opt.error_boundary import public_api
+from coreai_opt.gc_paused import gc_paused
 from coreai_opt.graph.activation_axes import check_activation_axes
 from coreai_opt.graph.dead_code import remove_dead_nodes
 from coreai_opt.graph.finite_weights import check_finite_weights
@@ -131,30 +132,31 @@ def prepare(
             stacklevel=_USER_STACKLEVEL,
         )
     kwargs = dict(example_kwargs or {})
-    gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
-                       concrete_args=concrete_args, dynamic_shapes=dynamic_shapes, share_parameters=not qat)
-    check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
-                                        "before prepare")
-    gm = complex_as_real(gm).graph_module  # complex arithmetic (rotary tables) as real pairs: ONNX has no complex ops
-    gm = factories_from_metadata(gm).graph_module  # x.new_zeros(...) reads x's dtype only, not its values
-    if remove_dead_nodes(gm):  # values no output reads (a branch's empty slice) get no quantizer: none in the file
-        gm.recompile()
-    gm = decompose_attention(gm).graph_module
-    gm = decompose_silu(gm, config.resolve).graph_module
-    gm = recompose_gelu(gm, config.resolve).graph_module  # tanh GELU written as arithmetic: one Gelu in the file
-    gm = order_ties(gm).graph_module  # sort / topk ties in onnxruntime's order, so eager and the file agree
-    gm = classify_ops(gm).graph_module
-    op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
-    gm = functionalize_weights(gm).graph_module
-    if config.fold_batchnorm:
-        gm = fold_batchnorm(gm).graph_module
-    if config.fold_attention_scale:
-        gm = fold_attention_scale(gm).graph_module
-    if config.fold_channel_scales and not qat:  # QAT trains the scale on its own
-        gm = fold_channel_scales(gm).graph_module
-    gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
-                  per_block_fallback=config.per_block_fallback).graph_module
-    gm = insert_quantizers(gm).graph_module
+    with gc_paused():  # torch.export and the passes allocate heavily: no full collections meanwhile
+        gm = capture_model(model, example_inputs, kwargs, method=capture, leaf_modules=leaf_modules,
+                           concrete_args=concrete_args, dynamic_shapes=dynamic_shapes, share_parameters=not qat)
+        check_finite_weights(gm, "prepare", "reload or repair the weights (e.g. torch.nan_to_num_ on that tensor) "
+                                            "before prepare")
+        gm = complex_as_real(gm).graph_module  # complex rotary tables as real pairs: ONNX has no complex ops
+        gm = factories_from_metadata(gm).graph_module  # x.new_zeros(...) reads x's dtype only, not its values
+        if remove_dead_nodes(gm):  # values no output reads (a branch's empty slice) get no quantizer
+            gm.recompile()
+        gm = decompose_attention(gm).graph_module
+        gm = decompose_silu(gm, config.resolve).graph_module
+        gm = recompose_gelu(gm, config.resolve).graph_module  # tanh GELU written as arithmetic: one Gelu in the file
+        gm = order_ties(gm).graph_module  # sort / topk ties in onnxruntime's order, so eager and the file agree
+        gm = classify_ops(gm).graph_module
+        op_kinds = [get_meta(node).kind.value for node in gm.graph.nodes]
+        gm = functionalize_weights(gm).graph_module
+        if config.fold_batchnorm:
+            gm = fold_batchnorm(gm).graph_module
+        if config.fold_attention_scale:
+            gm = fold_attention_scale(gm).graph_module
+        if config.fold_channel_scales and not qat:  # QAT trains the scale on its own
+            gm = fold_channel_scales(gm).graph_module
+        gm = annotate(gm, config.resolve, int32_bias=config.int32_bias, fixed_range_outputs=config.fixed_range_outputs,
+                      per_block_fallback=config.per_block_fallback).graph_module
+        gm = insert_quantizers(gm).graph_module
     check_activation_axes(gm, example_inputs, kwargs)
     if config.kv_cache is not None:  # a KV-cache decoder's cache as codes (QuantizerConfig.kv_cache)
         gm = quantize_kv_cache(gm, config.kv_cache).graph_module

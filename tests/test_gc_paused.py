@@ -1,4 +1,4 @@
-"""export_onnx traces with Python's cyclic garbage collector paused and restores the caller's setting (gc_paused.py)."""
+"""prepare and export_onnx trace with Python's cyclic garbage collector paused, then restore it (gc_paused.py)."""
 
 from __future__ import annotations
 
@@ -41,4 +41,18 @@ def test_export_onnx_traces_with_the_collector_paused_and_leaves_it_enabled(tmp_
     monkeypatch.setattr(torch.onnx, "export", spy)
     assert gc.isenabled()
     co.export_onnx(converted, x[0], tmp_path / "m.onnx")
+    assert seen == [False] and gc.isenabled()
+
+
+def test_prepare_captures_with_the_collector_paused_and_leaves_it_enabled(monkeypatch):
+    seen: list[bool] = []
+    capture = torch.export.export
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", spy)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    co.prepare(model, co.QuantizerConfig.presets.w8a8(), (torch.randn(2, 8),), capture="export")
     assert seen == [False] and gc.isenabled()
