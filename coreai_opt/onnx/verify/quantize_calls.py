@@ -21,7 +21,10 @@ and onnxruntime's code is the other neighbour, the kernel's arithmetic differs f
 rounded that way. Forced, such a code is kept as onnxruntime's (counted in :attr:`ForceQuantizeCalls.near_ties`),
 so a kernel whose tiny offset is one-way does not read as a biased defect of its own (timm RepViT-M1: 158 codes of
 301,056 at one ``QLinearAdd``, all +1, all within 10⁻³ step of a boundary). A defect moves values by far more than
-that: its differences stay.
+that: its differences stay. Where the value comes from a kernel accurate only to an absolute error ``e``
+(onnxruntime's logistic: ``Sigmoid``, ``QLinearSigmoid``) and is rounded at a step ``s`` finer than ``e / NEAR_TIE``,
+the width is ``e / s`` steps instead (hf bailing_hybrid's forget gate: sigmoid outputs below 4e-5 on a step of
+1.5e-7, where the kernel's 1.7e-7 flips 5 of 256 table entries, 4.7 % of the codes).
 """
 
 from __future__ import annotations
@@ -117,11 +120,15 @@ class ForceQuantizeCalls(TorchDispatchMode):
         codes: Call index -> onnxruntime's codes at that quantizer (any shape of the same size: a linear exported
             as ``Reshape -> Gemm`` quantizes the 2-D view). A call whose codes do not fit (another size, a per-block
             or float8 grid) keeps eager's own output.
+        near_tie: Call index -> its near-tie width in steps where it is wider than :data:`NEAR_TIE` (a kernel
+            accurate to an absolute error only, rounded at a finer step:
+            :func:`~coreai_opt.onnx.verify.quantizer_codes.rounding_width`).
     """
 
-    def __init__(self, codes: dict[int, np.ndarray]) -> None:
+    def __init__(self, codes: dict[int, np.ndarray], near_tie: dict[int, float] | None = None) -> None:
         super().__init__()
         self.codes = codes
+        self.near_tie = near_tie or {}
         self.count = 0
         self.calls: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.near_ties: dict[int, int] = {}
@@ -144,16 +151,21 @@ class ForceQuantizeCalls(TorchDispatchMode):
         if s.dim() > 0:  # per channel along axis
             shape = [-1 if i == axis % result.dim() else 1 for i in range(result.dim())]
             s, z = s.reshape(shape), z.reshape(shape)
-        self.near_ties[index] = _adopt_near_ties(codes, q, args[0].detach() / s + z)
+        width = self.near_tie.get(index, NEAR_TIE)
+        self.near_ties[index] = _adopt_near_ties(codes, q, args[0].detach() / s + z, width)
         with torch.no_grad():
             result.copy_((q - z).mul_(s))
         return result
 
 
-def _adopt_near_ties(codes: torch.Tensor, forced: torch.Tensor, value: torch.Tensor) -> int:
-    """Set eager's ``codes`` to the ``forced`` neighbour where ``value`` (``x / s + z``) is a near tie; the count."""
-    distance = (value - torch.floor(value) - 0.5).abs()
-    adopt = (distance <= NEAR_TIE) & ((forced - codes.float()).abs() == 1)
+def _adopt_near_ties(codes: torch.Tensor, forced: torch.Tensor, value: torch.Tensor, width: float = NEAR_TIE) -> int:
+    """Adopt onnxruntime's ``forced`` code as eager's within ``width`` steps of eager's rounding interval; the count.
+
+    ``value`` is eager's ``x / s + z``. With ``width`` below half a step that is a neighbour code and ``value``
+    within ``width`` of the boundary between the two (a near tie); a kernel accurate to ``e`` absolute at a step
+    ``s`` may be ``e / s`` steps away (``width`` from :func:`~coreai_opt.onnx.verify.quantizer_codes.rounding_width`).
+    """
+    adopt = ((forced - value).abs() <= 0.5 + width) & (forced != codes.float())
     count = int(adopt.sum())
     if count:
         codes[adopt] = forced[adopt].to(codes.dtype)

@@ -30,11 +30,11 @@ from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerRef
 from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
 from coreai_opt.onnx.verify.missing_calls import missing_calls, traced_calls, untraced_scales
 from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
-from coreai_opt.onnx.verify.quantize_calls import ForceQuantizeCalls, RecordQuantizeCalls
+from coreai_opt.onnx.verify.quantize_calls import NEAR_TIE, ForceQuantizeCalls, RecordQuantizeCalls
 from coreai_opt.onnx.verify.reading_order import reading_order
 from coreai_opt.onnx.verify.tolerance import product_fan_out, product_step_gain, tensor_bounds
 
-__all__ = ["QuantizerCodes", "compare_quantizer_codes", "integer_kernel_of", "traced_calls"]
+__all__ = ["QuantizerCodes", "compare_quantizer_codes", "integer_kernel_of", "rounding_width", "traced_calls"]
 
 # Ops onnxruntime inserts between an integer kernel and the quantizer's tensor without touching a value (the
 # NHWC layout transformer's Transpose back to NCHW, a linear's Reshape back to [B, T, N]).
@@ -55,6 +55,25 @@ def integer_kernel_of(graph: OnnxGraph, tensor: str, boundaries: frozenset[str] 
             return None
         node = graph.producer(node.input[0])
     return node.op_type if node is not None and node.op_type in INTEGER_KERNELS else None
+
+
+def rounding_width(graph: OnnxGraph, b: Boundary) -> float:
+    """Steps from a rounding boundary within which a one-step flip at ``b`` is its kernel's arithmetic.
+
+    :data:`~coreai_opt.onnx.verify.quantize_calls.NEAR_TIE`, or ``e / s`` where the kernel computing the quantized
+    value (fused, as ``QLinearSigmoid``, or read by the ``QuantizeLinear``, through layout moves) is accurate to an
+    absolute error ``e`` only (:attr:`~coreai_opt.onnx.verify.ort_kernels.KernelNumerics.absolute_error`) and ``s`` is
+    the quantizer's finest step.
+    """
+    node = graph.producer(b.tensor)
+    if node is not None and node.op_type == "QuantizeLinear":
+        node = graph.producer(node.input[0])
+    while node is not None and node.op_type in _LAYOUT_MOVES and node.input:
+        node = graph.producer(node.input[0])
+    entry = kernel_numerics(node) if node is not None else None
+    if entry is None or not entry.absolute_error or b.scale is None or not np.all(b.scale > 0):
+        return NEAR_TIE
+    return max(NEAR_TIE, entry.absolute_error / float(np.min(b.scale)))
 
 
 def _with_missing(results: list[QuantizerCodes], missing: list[QuantizerCodes]) -> tuple[QuantizerCodes, ...]:
@@ -132,11 +151,13 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         session = ort.InferenceSession(str(instrumented), options, providers=list(providers))
         names = [i.name for i in session.get_inputs()]
         values = session.run(tensors, codes.feed(names, batch))
+        widths = {b.call: width for b in boundaries if (width := rounding_width(graph, b)) > NEAR_TIE}
         forced_outputs = [_forced_forward(model, reference.calls, boundaries,
-                                          session.run(tensors, codes.feed(names, b)), b)[1] for b in forced_batches]
+                                          session.run(tensors, codes.feed(names, b)), b, widths)[1]
+                          for b in forced_batches]
         del session
     # eager again, each quantizer reading onnxruntime's codes at the ones before: what its own kernels add
-    (forced_reference, forcing), _ = _forced_forward(model, reference.calls, boundaries, values, batch)
+    (forced_reference, forcing), _ = _forced_forward(model, reference.calls, boundaries, values, batch, widths)
     bounds, boundary_tensors = tensor_bounds(optimized), set(tensors)
     # per quantizer: differing fraction (rule 3), differing codes, largest difference (rule 2)
     mismatch: dict[str, float] = {}
@@ -166,11 +187,11 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
 
 
 def _forced_forward(model: nn.Module, integer_calls: set[int], boundaries: Sequence[Boundary],
-                    values: Sequence[np.ndarray], batch: tuple[torch.Tensor, ...]
+                    values: Sequence[np.ndarray], batch: tuple[torch.Tensor, ...], widths: dict[int, float]
                     ) -> tuple[tuple[IntegerReference, ForceQuantizeCalls], list[np.ndarray]]:
     """Eager on ``batch`` with every quantizer handing on the file's codes ``values``; its modes and flat outputs."""
     reference = IntegerReference(integer_calls)
-    forcing = ForceQuantizeCalls({b.call: v for b, v in zip(boundaries, values, strict=True)})
+    forcing = ForceQuantizeCalls({b.call: v for b, v in zip(boundaries, values, strict=True)}, widths)
     with torch.no_grad(), reference, forcing:
         outputs = model(*batch)
     return (reference, forcing), [t.detach().cpu().numpy() for t in pytree.tree_leaves(outputs)]
