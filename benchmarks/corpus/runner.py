@@ -36,9 +36,10 @@ import coreai_opt as co
 from benchmarks.common.latency import measure
 from benchmarks.common.onnx_utils import FLOAT_OPSET, session
 from benchmarks.corpus.models import CorpusModel
+from coreai_opt.onnx.verify.output_comparison import OutputComparison
 
-__all__ = ["CorpusRow", "RunOptions", "decisive_flips", "eager_outputs", "export_float", "quantize_static_peer",
-           "run_corpus_model", "run_onnx", "sqnr_db", "top1_agreement"]
+__all__ = ["CorpusRow", "RunOptions", "decisive_flips", "eager_outputs", "export_float", "output_verdict",
+           "quantize_static_peer", "run_corpus_model", "run_onnx", "sqnr_db", "top1_agreement"]
 
 Batch = tuple[Tensor, ...]
 STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
@@ -242,12 +243,20 @@ def _ours(entry: CorpusModel, model: nn.Module, calib: list[Batch], evals: list[
     if not report.ok:
         first = report.first_failing_quantizer
         row.verify_reason = str(first) if first is not None else "; ".join(
-            f"{o.name}: {o.reason}" for o in report.outputs if not o.ok)
+            output_verdict(o) for o in report.outputs if not o.ok)
     row.tolerance = output.tolerance
     row.int_ours, row.float_ours = report.fusion.num_integer_compute, report.fusion.num_float_compute
     row.other_int_ours = dict(report.fusion.other_quantized)
     row.batchnorm_ours = sum(n.op_type == "BatchNormalization" for n in onnx.load(str(path)).graph.node)
     return converted
+
+
+def output_verdict(output: OutputComparison) -> str:
+    """One failing output: its difference against the bound, the argmax verdict, then why that bound."""
+    size = (f"{output.max_diff_steps:.3g} of {output.tolerance_steps} steps" if output.max_diff_steps is not None
+            and output.tolerance_steps is not None else f"|diff| {output.max_abs_diff:.3g} of {output.tolerance:.3g}")
+    flips = f"; argmax: {output.argmax_flips}" if output.argmax_flips else ""
+    return f"{output.name}: {size}{flips} ({output.reason})"
 
 
 def run_corpus_model(entry: CorpusModel, work_dir: Path, options: RunOptions = RunOptions(),

@@ -9,8 +9,9 @@ import torch
 
 from benchmarks.common.torchvision_ops import declare_torchvision_ops
 from benchmarks.corpus.models import CORPUS, tokens
-from benchmarks.corpus.runner import CorpusRow, decisive_flips, sqnr_db, top1_agreement
+from benchmarks.corpus.runner import CorpusRow, decisive_flips, output_verdict, sqnr_db, top1_agreement
 from benchmarks.corpus.section import export_ratio
+from coreai_opt.onnx.verify.output_comparison import OutputComparison
 
 
 def test_sqnr_db_is_signal_over_noise_power_over_all_batches():
@@ -65,3 +66,15 @@ def test_corpus_has_forty_architectures_from_both_libraries():
     assert len(names) == 40 and sum(n.startswith("hf-") for n in names) == 28 and sum(n.startswith("timm-") for n in
                                                                                          names) == 12
     assert {m.family for m in CORPUS.values()} == {"cnn", "encoder", "decoder", "vit", "speech"}
+
+
+def test_a_failing_output_row_says_the_difference_the_argmax_verdict_and_the_bound():
+    """hf-ergo's row said only why its bound was 47 steps; it failed on the argmax agreement floor."""
+    failing = OutputComparison("output", (8, 16, 512), 0.0157, 0.0039, 4.0, 1.0, 0.9648, 9, False, "steps", 47,
+                               0.18, "1 per quantizer stage", 0.00786, 0.369, 256)
+    assert output_verdict(failing) == (
+        "output: 4 of 47 steps; argmax: 9 near-tie flip(s); largest eager top-2 margin of a flip 0.00786 <= bound "
+        "0.369; agreement 96.48% of 256 rows is below 99.5%: too many flips at once for rounding (a shift) "
+        "(1 per quantizer stage)")
+    floating = OutputComparison("logits", (2, 3), 0.5, None, None, 1.0, None, 0, False, "float", None, 0.02, "why")
+    assert output_verdict(floating) == "logits: |diff| 0.5 of 0.02 (why)"
