@@ -68,3 +68,35 @@ def test_check_quantizers_off_compares_no_weights(tmp_path: Path) -> None:
     converted, path, batches = _export("shape_unpack", tmp_path)
     report = co.verify_onnx(converted, path, batches[:1], check_quantizers=False)
     assert report.weights.weights == () and report.weights.skipped == 0
+
+
+class _SharedSquareLinear(torch.nn.Module):
+    """One 32 x 32 linear applied three times (HRM's recurrent modules, a weight-tied loop): its stored weight, kept
+    transposed for the MatMuls, has three readers in the file and its quantizer three in eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.relu(self.lin(x))
+        return self.out(x)
+
+
+def test_a_square_weight_read_by_several_products_is_compared_in_the_orientation_they_all_use(tmp_path: Path):
+    """All readers agree on the transposed layout; comparing as stored made 988 of 1024 codes differ (hf-hrm_text)."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(2, 8, 32),) for _ in range(3)]
+    prepared = co.prepare(_SharedSquareLinear().eval(), W8A8(), batches[0])
+    co.calibrate(prepared, batches, progress=False)
+    converted = co.convert(prepared)
+    path = co.export_onnx(converted, batches[0], tmp_path / "loop.onnx")
+    model = onnx.load(str(path))
+    readers = [n for n in model.graph.node if any("lin.weight" in i for i in n.input)]
+    (dequantize,) = [n for n in readers if n.op_type == "DequantizeLinear"]
+    assert sum(dequantize.output[0] in n.input for n in model.graph.node) == 3  # three products read it
+    report = co.verify_onnx(converted, path, batches)
+    assert report.ok, str(report)
+    shared = [w for w in report.weights.weights if w.initializer == "lin.weight_quantized"]
+    assert len(shared) == 3 and all(w.codes == 1024 and w.differing == 0 for w in shared)

@@ -89,14 +89,17 @@ def _dequantize_node(graph: OnnxGraph, initializer: str) -> onnx.NodeProto | Non
 
 
 def _file_multiplies_by_transpose(graph: OnnxGraph, value: str) -> bool | None:
-    """Whether the file's matrix product reads ``value`` transposed (Gemm ``transB=1``), or None for a non-product.
+    """Whether the file's matrix products read ``value`` transposed (Gemm ``transB=1``), or None for a non-product.
 
     MatMul and Gemm ``transB=0`` read it as it is; one ``Transpose`` in between flips the answer; any other reader
-    (conv, gather, ...) gives None.
+    (conv, gather, ...) gives None. Several readers (a layer the model runs more than once, e.g. HRM's recurrent
+    modules unrolled) must all agree, else None.
     """
-    reader = graph.only_reader(value)
-    if reader is None:
-        return None
+    answers = {_reads_transposed(graph, value, reader) for reader in graph.readers(value)}
+    return answers.pop() if len(answers) == 1 else None
+
+
+def _reads_transposed(graph: OnnxGraph, value: str, reader: onnx.NodeProto) -> bool | None:
     if reader.op_type == "Transpose" and len(reader.output) == 1:
         inner = _file_multiplies_by_transpose(graph, reader.output[0])
         return None if inner is None else not inner
@@ -108,15 +111,18 @@ def _file_multiplies_by_transpose(graph: OnnxGraph, value: str) -> bool | None:
 
 
 def _eager_multiplies_by_transpose(model: fx.GraphModule, quantizer: fx.Node) -> bool | None:
-    """Whether eager's reader uses the weight as ``Wᵀ`` (``F.linear``), ``W`` (``matmul`` / ``addmm``), or None."""
-    readers = list(quantizer.users)
-    if len(readers) != 1:
-        return None
-    reader = readers[0]
-    kind = get_meta(reader).kind
-    if kind is OpKind.LINEAR:
-        return lookup_op(reader, model).layout.weight_axes is None  # canonical [out, in]: x @ Wᵀ
-    return False if kind is OpKind.MATMUL else None
+    """Whether eager's readers use the weight as ``Wᵀ`` (``F.linear``), ``W`` (``matmul`` / ``addmm``), or None.
+
+    Several readers must all agree, else None.
+    """
+    answers = set()
+    for reader in quantizer.users:
+        kind = get_meta(reader).kind
+        if kind is OpKind.LINEAR:
+            answers.add(lookup_op(reader, model).layout.weight_axes is None)  # canonical [out, in]: x @ Wᵀ
+        else:
+            answers.add(False if kind is OpKind.MATMUL else None)
+    return answers.pop() if len(answers) == 1 else None
 
 
 class _Stored:
@@ -204,6 +210,9 @@ def compare_weight_codes(model: nn.Module, graph_model: onnx.ModelProto, base: P
             in_eager = _eager_multiplies_by_transpose(model, node)
             if in_file is not None and in_eager is not None and in_file != in_eager:
                 eager = eager.T  # stored transposed (fold_weight_transposes)
+            elif (in_file is None) != (in_eager is None) and eager.shape[0] == eager.shape[1]:
+                skipped += 1  # a square product operand whose orientation one side leaves open: both would fit
+                continue
         if eager.shape != stored.codes.shape:
             skipped += 1
             continue
