@@ -63,8 +63,11 @@ def test_zoo_w8a8_classifier_top1_agrees_on_64_inputs(converted: Callable[[str, 
     (output,) = report.outputs
     # every classifier agrees on all 64 (the transformers too, since softmax outputs use a 2^-8 step: onnxruntime's
     # QLinearSoftmax requantizes with floor(1 / y_scale), which is exact only for a power-of-two step), except one
-    # near tie of the random-init transformer encoder (measured 63/64; verify's near-tie bound judges it below)
-    assert report.argmax_agreement == (63 / 64 if name == "transformer_encoder" else 1.0), str(report)
+    # near tie of the random-init transformer encoder, which falls either way with the CPU's kernels (63/64 on the
+    # machines of 2026-12-05, 64/64 on 2026-12-06's); a flip must be a near tie (verify's bound)
+    flips = round((1.0 - report.argmax_agreement) * 64)
+    assert flips <= (1 if name == "transformer_encoder" else 0), str(report)
+    assert output.argmax_flips_within_tolerance == flips, str(report)
     assert report.ok, str(report)
 
 
