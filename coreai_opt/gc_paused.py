@@ -3,9 +3,10 @@
 torch's exporter (capture, decompositions, translation, optimizer) allocates hundreds of thousands of short-lived
 Python objects (fx nodes, fake tensors, sympy expressions). Each allocation burst triggers a collection, and every
 third-generation collection walks every tracked object of the process: with torch, transformers and a model loaded,
-about 730k of them. Measured on hf-llama's export (the corpus model, 3 rounds, interleaved): 12.2 - 13.7 s with
-the collector on, 10.0 - 11.9 s paused, and the garbage it would have found is small (257k objects, +35 MB RSS,
-released by the next collection after the block). Reference counting still frees everything that is not in a
+about 730k of them. Measured (one process, 5 interleaved rounds, quiet machine; benchmarks/export_cost/RESULTS.md):
+``export_onnx`` paused / collecting 0.858 on hf-llama, 0.894 on hf-vit, 0.911 on timm-efficientnet-b0 (medians),
+and the garbage it would have found is small (hf-llama: 257k objects, +35 MB RSS, released by the next collection
+after the block). Reference counting still frees everything that is not in a
 cycle, so tensors go as soon as they are unused.
 
 :func:`gc_paused` disables the collector for a ``with`` block (``prepare``'s capture and graph passes,
