@@ -24,6 +24,19 @@ def test_the_block_runs_without_the_collector_and_the_caller_s_setting_comes_bac
         gc.enable()
 
 
+def _collector_states(monkeypatch, module: object, name: str) -> list[bool]:
+    """Wrap ``module.name``; the returned list gets ``gc.isenabled()`` at each call."""
+    seen: list[bool] = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
 def test_export_onnx_traces_with_the_collector_paused_and_leaves_it_enabled(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
@@ -31,28 +44,14 @@ def test_export_onnx_traces_with_the_collector_paused_and_leaves_it_enabled(tmp_
     prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), x[0])
     co.calibrate(prepared, x, progress=False)
     converted = co.convert(prepared)
-    seen: list[bool] = []
-    trace = torch.onnx.export
-
-    def spy(*args, **kwargs):
-        seen.append(gc.isenabled())
-        return trace(*args, **kwargs)
-
-    monkeypatch.setattr(torch.onnx, "export", spy)
+    seen = _collector_states(monkeypatch, torch.onnx, "export")
     assert gc.isenabled()
     co.export_onnx(converted, x[0], tmp_path / "m.onnx")
     assert seen == [False] and gc.isenabled()
 
 
 def test_prepare_captures_with_the_collector_paused_and_leaves_it_enabled(monkeypatch):
-    seen: list[bool] = []
-    capture = torch.export.export
-
-    def spy(*args, **kwargs):
-        seen.append(gc.isenabled())
-        return capture(*args, **kwargs)
-
-    monkeypatch.setattr(torch.export, "export", spy)
+    seen = _collector_states(monkeypatch, torch.export, "export")
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
     co.prepare(model, co.QuantizerConfig.presets.w8a8(), (torch.randn(2, 8),), capture="export")
     assert seen == [False] and gc.isenabled()

@@ -57,7 +57,7 @@ class KernelNumerics:
         absolute_error: A bound on ``|kernel(x) - f(x)|`` where the kernel's float approximation is accurate to an
             absolute rather than a relative error (0: not such a kernel). Where its result is rounded at a step ``s``
             finer than that, the approximation alone moves values by ``absolute_error / s`` steps
-            (:func:`rounding_width`).
+            (:func:`~coreai_opt.onnx.verify.quantizer_codes.rounding_width`).
     """
 
     op_type: str
@@ -77,7 +77,7 @@ def _entries(domain: str, status: Status, integer_output: bool, why: str, *ops: 
 
 #: MLAS's logistic function (onnxruntime's ``Sigmoid``, and the table ``QLinearSigmoid`` builds from it) is accurate
 #: to an absolute error: measured at most 1.67e-7 on 2,000,001 points of [-40, 40] (relative error up to 6x in the
-#: tail below -16, where sigmoid < 1.2e-7); ``tests/onnx/test_ort_kernels_error.py`` pins the bound.
+#: tail below -16, where sigmoid < 1.2e-7); ``tests/onnx/test_verify_logistic.py`` pins the bound.
 LOGISTIC_ABSOLUTE_ERROR = 2e-7
 
 

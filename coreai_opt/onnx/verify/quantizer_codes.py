@@ -49,12 +49,22 @@ def integer_kernel_of(graph: OnnxGraph, tensor: str, boundaries: frozenset[str] 
     None: ``tensor`` is a moved copy of that quantizer's codes (a second quantizer with the same grid on a
     reshaped view, which onnxruntime folds away), not the kernel's own output.
     """
+    node = _computing_node(graph, tensor, boundaries)
+    return node.op_type if node is not None and node.op_type in INTEGER_KERNELS else None
+
+
+def _computing_node(graph: OnnxGraph, tensor: str, boundaries: frozenset[str] | set[str] = frozenset()
+                    ) -> onnx.NodeProto | None:
+    """The first op behind ``tensor`` that computes, through layout moves of one data input.
+
+    None at a graph input, or where the walk reaches one of the ``boundaries``.
+    """
     node = graph.producer(tensor)
     while node is not None and node.op_type in _LAYOUT_MOVES:
         if node.input[0] in boundaries:
             return None
         node = graph.producer(node.input[0])
-    return node.op_type if node is not None and node.op_type in INTEGER_KERNELS else None
+    return node
 
 
 def rounding_width(graph: OnnxGraph, b: Boundary) -> float:
@@ -65,11 +75,9 @@ def rounding_width(graph: OnnxGraph, b: Boundary) -> float:
     absolute error ``e`` only (:attr:`~coreai_opt.onnx.verify.ort_kernels.KernelNumerics.absolute_error`) and ``s`` is
     the quantizer's finest step.
     """
-    node = graph.producer(b.tensor)
+    node = _computing_node(graph, b.tensor)
     if node is not None and node.op_type == "QuantizeLinear":
-        node = graph.producer(node.input[0])
-    while node is not None and node.op_type in _LAYOUT_MOVES and node.input:
-        node = graph.producer(node.input[0])
+        node = _computing_node(graph, node.input[0])
     entry = kernel_numerics(node) if node is not None else None
     if entry is None or not entry.absolute_error or b.scale is None or not np.all(b.scale > 0):
         return NEAR_TIE
