@@ -83,6 +83,8 @@ class GraphMeta:
             whose export keeps the batch axis only.
         outputs: The leaves of ``forward``'s return value on the example inputs, recorded at capture (the
             exporter names and checks the graph outputs from them); None when not recorded (a model saved before).
+        axis_bounds: The largest size the capture allows for each of those axes where the model bounds it,
+            ``{axis name: size}`` (``{"sequence": 64}`` for 64 position embeddings); the export declares it.
     """
 
     capture: str
@@ -93,6 +95,7 @@ class GraphMeta:
     config: dict[str, Any] | None = None
     dynamic_axes: dict[str, dict[int, str]] | None = None
     outputs: tuple[OutputLeaf, ...] | None = None
+    axis_bounds: dict[str, int] | None = None
 
     def __getitem__(self, key: str) -> Any:
         """Dict-style read access (``meta["config"]``), as with the dict this class replaced."""
@@ -111,7 +114,8 @@ class GraphMeta:
         specs = tuple(InputSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in data.get("input_specs", ()))
         return cls(capture=str(data.get("capture", "?")), input_names=tuple(data.get("input_names", ())),
                    converted=bool(data.get("converted", False)), qat=bool(data.get("qat", False)),
-                   input_specs=specs, config=data.get("config"), dynamic_axes=data.get("dynamic_axes"))
+                   input_specs=specs, config=data.get("config"), dynamic_axes=data.get("dynamic_axes"),
+                   axis_bounds=data.get("axis_bounds"))
 
 
 def _field(record: object, key: str) -> Any:

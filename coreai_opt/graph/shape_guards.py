@@ -30,14 +30,15 @@ import torch
 
 from coreai_opt.graph.capture_error import ShapeGuardError
 
-__all__ = ["check_shape_guards"]
+__all__ = ["check_shape_guards", "shape_env_of"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _SOURCE = re.compile(r"^L\['(?P<name>[^']+)'\](?P<path>.*)\.size\(\)\[(?P<dim>\d+)\]$")
 _RELATIONS = {sympy.Eq: "==", sympy.Ne: "!=", sympy.Lt: "<", sympy.Le: "<=", sympy.Gt: ">", sympy.Ge: ">="}
 
 
-def _shape_env(program: torch.export.ExportedProgram) -> Any:
+def shape_env_of(program: torch.export.ExportedProgram) -> Any:
+    """The ``ShapeEnv`` ``program`` was traced under (its sizes, their ranges and guards); None without one."""
     for node in program.graph.nodes:
         value = node.meta.get("val")
         fake_mode = getattr(value, "fake_mode", None)
@@ -122,7 +123,7 @@ def check_shape_guards(
     Raises:
         ShapeGuardError: names the input and dimension, the condition, the source line and the fixes.
     """
-    env = _shape_env(program)
+    env = shape_env_of(program)
     if env is None:
         return frozenset()
     names = {sym: _dimension(sources)[1] for sym, sources in env.var_to_sources.items()}

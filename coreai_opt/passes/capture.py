@@ -35,7 +35,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
 from coreai_opt.graph.capture_error import CaptureError, InplaceAliasError, ShapeGuardError
-from coreai_opt.graph.dynamic_dims import dynamic_axes
+from coreai_opt.graph.dynamic_dims import axis_bounds, dynamic_axes
 from coreai_opt.graph.dynamic_shapes_request import check_dynamic_shapes, export_dynamic_shapes, optional_dims
 from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, OutputLeaf, get_graph_meta, output_leaves, set_graph_meta
 from coreai_opt.graph.node_meta import NodeMeta, set_meta
@@ -268,6 +268,7 @@ def _capture_export(model: nn.Module, example: ExampleCall, dynamic_shapes: dict
     if _mutates(program):  # in-place ops, writes into views, out= calls: torch's functionalization replays them
         program = program.run_decompositions({})
     axes = dynamic_axes(program, list(example.signature.parameters))
+    bounds = axis_bounds(program, list(example.signature.parameters))
     exported = program.module()
     outputs = _export_outputs(exported, program.call_spec.out_spec)
     # A plain GraphModule (same graph, same pytree codegen) so that train()/eval() work like any module and
@@ -281,7 +282,7 @@ def _capture_export(model: nn.Module, example: ExampleCall, dynamic_shapes: dict
     gm.graph.lint()
     gm.recompile()
     gm.train(was_training)
-    set_graph_meta(gm, GraphMeta(capture="export", dynamic_axes=axes, outputs=outputs))
+    set_graph_meta(gm, GraphMeta(capture="export", dynamic_axes=axes, axis_bounds=bounds, outputs=outputs))
     gm = functionalize_inplace(gm).graph_module
     return views_to_reshapes(gm).graph_module  # the traced views assumed the strides of torch's kernels
 
@@ -387,5 +388,6 @@ def capture(
     captured = get_graph_meta(gm)  # the capture records the outputs; torch.export also its symbolic axes
     set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names), input_specs=example.input_specs(),
                                  dynamic_axes=captured.dynamic_axes if captured is not None else None,
+                                 axis_bounds=captured.axis_bounds if captured is not None else None,
                                  outputs=captured.outputs if captured is not None else None))
     return gm

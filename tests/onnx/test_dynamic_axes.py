@@ -14,7 +14,7 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.graph.graph_meta import get_graph_meta
-from coreai_opt.onnx.export.dynamic_axes import check_axes_are_dynamic, input_axes, requested_axes
+from coreai_opt.onnx.export.dynamic_axes import captured_bounds, check_axes_are_dynamic, input_axes, requested_axes
 
 VOCAB, D, MAX_T = 50, 32, 64
 
@@ -151,3 +151,59 @@ def test_a_default_axis_the_exporter_fixed_warns_and_an_asked_for_one_raises():
     batch_fixed = _graph_with_input_dims([4, 3, 64, 64])
     with pytest.raises(ValueError, match="export with dynamic_batch=False"):  # the batch stays an error
         check_axes_are_dynamic(batch_fixed, [{0: "batch"}], requested_axes(["x"], True, None))
+
+
+def test_capture_reads_the_position_tables_bound_on_the_sequence(converted):
+    assert get_graph_meta(converted).axis_bounds == {"sequence": MAX_T}
+
+
+def test_export_declares_the_bound_and_traces_distilbert_once(tmp_path, monkeypatch):
+    """Unbounded, torch's exporter traces DistilBERT, fails its guard ``sequence <= 64`` (64 positions) and traces
+    it again with the bound it suggests: a second capture, half of the export's capture time."""
+    import coreai_opt.onnx.export.export_onnx as export_module
+    from benchmarks.corpus.models import corpus_entry
+
+    entry = corpus_entry("hf-distilbert")
+    torch.manual_seed(0)
+    batches = [entry.inputs(torch.Generator().manual_seed(s), 2) for s in range(2)]
+    prepared = co.prepare(entry.build().eval(), co.QuantizerConfig.presets.w8a8(), batches[0])
+    co.calibrate(prepared, batches, progress=False)
+    converted = co.convert(prepared)
+    assert get_graph_meta(converted).axis_bounds == {"sequence": 64}
+    calls = []
+    real_export = torch.export.export
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("dynamic_shapes"))
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted)
+    co.export_onnx(converted, batches[0], tmp_path / "bounded.onnx", input_names=list(entry.input_names))
+    assert len(calls) == 1
+    assert calls[0][0][1].max == 64
+    calls.clear()
+    monkeypatch.setattr(export_module, "captured_bounds", lambda model, axes: {})
+    co.export_onnx(converted, batches[0], tmp_path / "unbounded.onnx", input_names=list(entry.input_names))
+    assert len(calls) == 2  # the second trace the bound saves
+    files = [onnx.load(tmp_path / name) for name in ("bounded.onnx", "unbounded.onnx")]
+    assert files[0].graph == files[1].graph
+
+
+def test_a_bound_is_declared_only_for_the_axis_the_capture_named_so(converted):
+    assert captured_bounds(converted, [{0: "batch", 1: "sequence"}]) == {"sequence": MAX_T}
+    assert captured_bounds(converted, [{0: "batch", 1: "length"}]) == {}
+    assert captured_bounds(converted, [{0: "sequence"}]) == {}
+
+
+@pytest.mark.parametrize(("guards", "bound"), [
+    (["s <= 100"], 100), (["s < 100"], 99), (["Eq(s, Min(64, s))"], 64), (["s > 1", "s <= 40"], 40),
+    (["Ne(s, 5)"], None), (["s > 1"], None), ([], None),
+])
+def test_largest_size_is_where_the_guards_stop_holding(guards, bound):
+    import sympy
+
+    from coreai_opt.graph.dynamic_dims import _largest_size
+
+    s = sympy.Symbol("s", integer=True, positive=True)
+    parsed = [sympy.sympify(g, locals={"s": s}) for g in guards]
+    assert _largest_size(parsed, s, 16) == bound

@@ -25,7 +25,7 @@ from torch import nn
 
 from coreai_opt.graph.graph_meta import get_graph_meta
 
-__all__ = ["DynamicShapes", "BATCH", "input_axes", "requested_axes", "torch_dynamic_shapes",
+__all__ = ["DynamicShapes", "BATCH", "captured_bounds", "input_axes", "requested_axes", "torch_dynamic_shapes",
            "check_axes_are_dynamic"]
 
 #: ``export_onnx``'s override: ``{graph input name: {dimension: axis name} | None}``.
@@ -88,12 +88,38 @@ def input_axes(
     return axes
 
 
-def torch_dynamic_shapes(axes: Sequence[dict[int, str]]) -> tuple[dict[int, object] | None, ...] | None:
-    """``torch.onnx.export``'s ``dynamic_shapes``: one ``torch.export.Dim`` per axis name (shared by name)."""
+def torch_dynamic_shapes(axes: Sequence[dict[int, str]], bounds: Mapping[str, int] | None = None
+                         ) -> tuple[dict[int, object] | None, ...] | None:
+    """``torch.onnx.export``'s ``dynamic_shapes``: one ``torch.export.Dim`` per axis name (shared by name).
+
+    ``bounds`` (:func:`captured_bounds`) gives an axis its largest size: ``Dim(name, max=bound)``.
+    """
     if not any(axes):
         return None
-    dims = {name: torch.export.Dim(name) for spec in axes for name in spec.values()}
+    bounds = bounds or {}
+    dims = {name: torch.export.Dim(name, max=bounds.get(name)) for spec in axes for name in spec.values()}
     return tuple({d: dims[name] for d, name in spec.items()} or None for spec in axes)
+
+
+def captured_bounds(model: nn.Module, axes: Sequence[dict[int, str]]) -> dict[str, int]:
+    """The capture's bounds (:attr:`~coreai_opt.graph.graph_meta.GraphMeta.axis_bounds`) that hold for ``axes``.
+
+    A bound counts for an axis name only where every input dimension ``axes`` gives that name is the dimension the
+    capture named so (input ``i`` is ``forward``'s argument ``i``): a caller's own name, or a captured name moved to
+    another dimension, gets none.
+    """
+    meta = get_graph_meta(model)
+    if meta is None or not meta.axis_bounds or not meta.dynamic_axes:
+        return {}
+    arguments = list(meta.input_names)
+    named = {name for spec in axes for name in spec.values()}
+    bounds = {name: bound for name, bound in meta.axis_bounds.items() if name in named}
+    for i, spec in enumerate(axes):
+        captured = meta.dynamic_axes.get(arguments[i], {}) if i < len(arguments) else {}
+        for dim, name in spec.items():
+            if captured.get(dim) != name:
+                bounds.pop(name, None)
+    return bounds
 
 
 def requested_axes(input_names: Sequence[str], dynamic_batch: bool,

@@ -33,6 +33,7 @@ from coreai_opt.onnx.export.axes_probe import axes_baked_in
 from coreai_opt.onnx.export.dynamic_axes import (
     BATCH,
     DynamicShapes,
+    captured_bounds,
     check_axes_are_dynamic,
     input_axes,
     requested_axes,
@@ -213,7 +214,7 @@ def _dynamo_export(
                 **int8_compute_translation_table(),
                 **extra_translation_table(opset),
             },
-            dynamic_shapes=torch_dynamic_shapes(axes),
+            dynamic_shapes=torch_dynamic_shapes(axes, captured_bounds(model, axes)),  # one capture, not two
             input_names=input_names,
             output_names=output_names,
             external_data=False,
