@@ -51,6 +51,7 @@ from coreai_opt.onnx.export.input_validation import (
     refuse_bfloat16_compute,
 )
 from coreai_opt.onnx.export.kv_cache import task_io, warn_per_tensor_dynamic
+from coreai_opt.onnx.export.local_decompositions import decompositions_local
 from coreai_opt.onnx.export.model_quantizers import converted_quantizers, quantizer_uses
 from coreai_opt.onnx.export.opset import preferred_opset, select_opset
 from coreai_opt.onnx.export.prequantize_weights import (
@@ -201,8 +202,9 @@ def _dynamo_export(
     input_names: list[str], output_names: list[str],
 ) -> torch.onnx.ONNXProgram:
     # one optimizer rule's cost grows with the square of our Slice readers; torchlib's table is built once; the
-    # cyclic collector would walk the whole process's objects again and again while torch allocates
-    with without_quadratic_rewrites(), torchlib_registry_reused(), gc_paused():
+    # cyclic collector would walk the whole process's objects again and again while torch allocates; only the
+    # nodes torchlib cannot translate are decomposed, not the whole graph traced again
+    with without_quadratic_rewrites(), torchlib_registry_reused(), gc_paused(), decompositions_local():
         return torch.onnx.export(
             model,
             inputs,

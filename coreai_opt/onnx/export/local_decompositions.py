@@ -1,0 +1,236 @@
+"""Decompose only the nodes that need it, instead of re-tracing the whole exported program.
+
+``torch.onnx.export(dynamo=True)`` captures the model (``torch.export``), then calls
+``ExportedProgram.run_decompositions(table)`` with the ops torchlib cannot translate (``__and__``, ``to.dtype``,
+``adaptive_avg_pool2d``, ...), then translates. ``run_decompositions`` traces the *whole* graph again under fake
+tensors and symbolic shapes, about as long as the capture itself, though a quantized graph needs a handful of its
+nodes decomposed (hf BERT: 11 of ~420; timm EfficientNet-B0: 1 of ~850). That second trace was the largest share
+of ``export_onnx``'s time and grew with the quantizer nodes: under the profiler, timm-efficientnet-b0's
+decompositions took 10.2 s of an 18 s export (the float export's, 4.8 s).
+
+:func:`decompositions_local` replaces that step, for the duration of a ``with`` block, by a local one:
+
+1. Collect the nodes ``run_decompositions`` would lower: an op the table decomposes (one torchlib has no
+   translation for), or a ``CompositeImplicitAutograd`` op torch cannot preserve (a view or alias: ``reshape``,
+   ``flatten``, ``to.dtype``), which it lowers whether torchlib translates it or not.
+2. Trace each alone with ``make_fx(decomposition_table=table, tracing_mode="symbolic")`` on its inputs' fake
+   values (the program's own fake mode and shape environment, so sizes stay the program's symbols).
+3. Splice each traced subgraph in place of its node (inputs mapped, provenance metadata copied, the program's
+   output signature renamed where a graph output was replaced).
+
+It changes nothing and hands the program to torch's ``run_decompositions`` whenever the local route cannot be
+sure to give the same program: a higher-order op (``cond``, a grad-mode wrapper), an op that mutates its input,
+an op that neither torchlib translates nor the table decomposes, a subgraph that fails to trace, reads a constant,
+gives several outputs the graph does not read by index, or holds an op torchlib cannot translate (a decomposition
+written with in-place ops is traced again functionalized first). The files are the same node for node (op types,
+attributes, initializers) and onnxruntime's outputs bit-identical (``tests/onnx/test_local_decompositions.py``;
+only value names differ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+__all__ = ["decompositions_local", "decompose_locally"]
+
+logger = logging.getLogger(__name__)
+
+#: Checks torch's exporter removes after decomposition (``remove_assertion_nodes``); kept as they are.
+_ASSERTIONS = frozenset({
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_async.default,
+    torch.ops.aten._assert_async.msg,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+})
+#: Node metadata a spliced node inherits from the node it replaces (where the op came from in the model).
+_PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node")
+
+
+class _NotLocal(Exception):
+    """The program needs torch's whole-graph decomposition (the message says why)."""
+
+
+def _lowered_by_torch(op: torch._ops.OpOverload) -> bool:
+    """Whether ``run_decompositions`` lowers ``op`` whatever the table says.
+
+    That is a ``CompositeImplicitAutograd`` op torch cannot preserve: a view or alias such as ``reshape``,
+    ``flatten``, ``to.dtype``.
+    """
+    from torch._export.utils import _is_preservable_cia_op
+
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(),
+                                                                torch._C.DispatchKey.CompositeImplicitAutograd)
+    return composite and not _is_preservable_cia_op(op)
+
+
+def _to_decompose(graph: fx.Graph, translated: set[Any], table: dict[Any, Callable[..., Any]]) -> list[fx.Node]:
+    """The nodes step 1 decomposes; raises :class:`_NotLocal` for a node the local route cannot handle."""
+    nodes = []
+    for node in graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(graph.owning_module, str(node.target), None), fx.GraphModule):
+            raise _NotLocal(f"subgraph {node.target}")
+        if node.op != "call_function":
+            continue
+        op = node.target
+        if isinstance(op, torch._ops.HigherOrderOperator):
+            raise _NotLocal(f"higher-order op {op}")
+        if not isinstance(op, torch._ops.OpOverload) or op in _ASSERTIONS:
+            continue  # Python operators on sizes, checks the exporter drops
+        if op._schema.is_mutable:
+            raise _NotLocal(f"mutating op {op}")
+        if op in table or _lowered_by_torch(op):
+            nodes.append(node)
+        elif op not in translated:
+            raise _NotLocal(f"{op} is neither translated nor decomposed")
+    return nodes
+
+
+def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set[Any]
+            ) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """``node``'s op decomposed (step 2): the traced subgraph and the graph nodes its placeholders stand for."""
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
+    values = []
+    for i in positions:
+        if "val" not in flat[i].meta:
+            raise _NotLocal(f"input {flat[i].name} of {node.name} has no traced value")
+        values.append(flat[i].meta["val"])
+
+    def call(*given: Any) -> Any:
+        arguments = list(flat)
+        for i, value in zip(positions, given, strict=True):
+            arguments[i] = value
+        args, kwargs = pytree.tree_unflatten(arguments, spec)
+        return node.target(*args, **kwargs)
+
+    sub = _make_fx(call, values, table, node)
+    if any(_mutates(inner) for inner in sub.graph.nodes):  # a decomposition written with in-place ops
+        sub = _make_fx(torch.func.functionalize(call), values, table, node)
+    outputs = sub.graph.output_node().args[0]
+    if isinstance(outputs, (list, tuple)):  # meshgrid, split: the graph reads the parts with getitem
+        if not all(isinstance(o, fx.Node) for o in outputs) or not all(
+                u.target is operator.getitem and isinstance(u.args[1], int) for u in node.users):
+            raise _NotLocal(f"{node.target} decomposes to outputs the graph does not read by index")
+    elif not isinstance(outputs, fx.Node):
+        raise _NotLocal(f"{node.target} decomposes to {type(outputs).__name__}")
+    for inner in sub.graph.nodes:
+        if inner.op == "get_attr":
+            raise _NotLocal(f"{node.target} decomposes to a constant")
+        op = inner.target
+        if inner.op == "call_function" and isinstance(op, torch._ops.OpOverload) and (
+                _mutates(inner) or op not in translated and op not in _ASSERTIONS):
+            raise _NotLocal(f"{node.target} decomposes to {op}, which torchlib does not translate")
+    return sub, [flat[i] for i in positions]
+
+
+def _make_fx(call: Callable[..., Any], values: list[Any], table: dict[Any, Callable[..., Any]], node: fx.Node
+             ) -> fx.GraphModule:
+    try:
+        return make_fx(call, decomposition_table=table, tracing_mode="symbolic")(*values)
+    except Exception as exc:  # noqa: BLE001 (any failure hands the program to torch's own decomposition)
+        raise _NotLocal(f"{node.target} does not trace alone: {type(exc).__name__}") from exc
+
+
+def _mutates(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _splice(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, inputs: list[fx.Node],
+            replaced: dict[fx.Node, fx.Node]) -> None:
+    """Step 3 for one node: ``sub`` in place of ``node``; ``replaced`` maps every removed node to its successor."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    env = {p: replaced.get(i, i) for p, i in zip(placeholders, inputs, strict=True)}
+    anchor = node.prev
+    with graph.inserting_before(node):
+        output = graph.graph_copy(sub.graph, env)
+    new = anchor.next
+    while new is not node:  # the spliced nodes sit between the anchor and the node they replace
+        new.meta.update({key: node.meta[key] for key in _PROVENANCE if key in node.meta})
+        new = new.next
+    if isinstance(output, (list, tuple)):
+        for part in list(node.users):  # getitem(node, i) -> output[i]
+            part.replace_all_uses_with(output[part.args[1]])
+            graph.erase_node(part)
+            replaced[part] = output[part.args[1]]
+    else:
+        node.replace_all_uses_with(output)
+        replaced[node] = output
+    graph.erase_node(node)
+
+
+def decompose_locally(program: torch.export.ExportedProgram, registry: Any,
+                      whole_graph: Callable[[torch.export.ExportedProgram, Any], torch.export.ExportedProgram],
+                      ) -> torch.export.ExportedProgram:
+    """``program`` with the nodes torchlib cannot translate decomposed in place (module docstring).
+
+    Args:
+        program: The captured program (``torch.export``'s output).
+        registry: torch's ``ONNXRegistry`` of the export (torchlib plus the custom translations).
+        whole_graph: torch's own ``decompose_with_registry``, used when the local route does not apply.
+
+    Returns:
+        The same program object, decomposed, or ``whole_graph(program, registry)``.
+    """
+    from torch.onnx._internal.exporter import _decomp
+
+    translated = set(_decomp.get_onnx_implemented_overloads(registry))
+    table = _decomp.create_onnx_friendly_decomposition_table(translated)
+    graph = program.graph_module.graph
+    try:
+        nodes = _to_decompose(graph, translated, table)
+        traced = [_traced(node, table, translated) for node in nodes]
+        for node, (sub, _) in zip(nodes, traced, strict=True):
+            parts = pytree.tree_leaves(sub.graph.output_node().args[0])
+            readers = [node, *(u for u in node.users if u.target is operator.getitem)]
+            if any(p.op == "placeholder" for p in parts) and any(u.op == "output" for r in readers for u in r.users):
+                raise _NotLocal(f"graph output {node.name} is an input once decomposed")
+    except _NotLocal as reason:
+        logger.info("torch's whole-graph decomposition: %s", reason)
+        return whole_graph(program, registry)
+    replaced: dict[fx.Node, fx.Node] = {}
+    for node, (sub, inputs) in zip(nodes, traced, strict=True):
+        _splice(graph, node, sub, inputs, replaced)
+    renamed = {node.name: output.name for node, output in replaced.items()}
+    for spec in program.graph_signature.output_specs:  # the signature names the graph's outputs
+        if getattr(spec.arg, "name", None) in renamed:
+            spec.arg.name = renamed[spec.arg.name]
+    graph.lint()
+    program.graph_module.recompile()
+    return program
+
+
+@contextlib.contextmanager
+def decompositions_local() -> Iterator[bool]:
+    """Within the block, torch's exporter decomposes only the nodes that need it (:func:`decompose_locally`).
+
+    Yields:
+        True when torch's exporter has the step this replaces (else the block changes nothing).
+    """
+    try:
+        from torch.onnx._internal.exporter import _fx_passes
+    except ImportError:
+        yield False
+        return
+    whole_graph = getattr(_fx_passes, "decompose_with_registry", None)
+    if whole_graph is None:
+        yield False
+        return
+
+    def local(program: torch.export.ExportedProgram, registry: Any) -> torch.export.ExportedProgram:
+        return decompose_locally(program, registry, whole_graph)
+
+    _fx_passes.decompose_with_registry = local
+    try:
+        yield True
+    finally:
+        _fx_passes.decompose_with_registry = whole_graph
