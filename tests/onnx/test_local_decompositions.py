@@ -145,3 +145,29 @@ def test_decompose_locally_splices_the_decomposition_in_place_of_the_node():
     ops = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
     assert "aten.adaptive_avg_pool2d.default" not in ops and "aten.flatten.using_ints" not in ops
     assert torch.equal(decomposed.module()(torch.arange(96.0).reshape(2, 3, 4, 4)), expected)
+
+
+class _TokenPool(nn.Module):
+    """Swin's head: tokens pooled over the sequence (``adaptive_avg_pool1d`` of a transposed view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = nn.functional.adaptive_avg_pool1d(self.norm(x).transpose(1, 2), 1).flatten(1)
+        return self.fc(pooled)
+
+
+def test_a_restride_that_keeps_every_element_in_place_is_dropped_with_the_same_outputs(tmp_path, monkeypatch):
+    """``adaptive_avg_pool1d`` decomposes to ``mean`` then ``as_strided_`` (the input's memory format, same shape,
+    strides equal wherever the size is not 1): no translation exists for it, and it moves no element."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(2, 49, 8),) for _ in range(3)]
+    local, whole, whole_graph_calls = _both_ways(_TokenPool(), batches, tmp_path, monkeypatch)
+    assert whole_graph_calls == 0
+    assert len(local.graph.node) <= len(whole.graph.node)  # torch writes the restride as shape arithmetic
+    feeds = {"x": torch.randn(5, 49, 8).numpy()}
+    for ours, torchs in zip(_outputs(tmp_path / "local.onnx", feeds), _outputs(tmp_path / "whole.onnx", feeds),
+                            strict=True):
+        np.testing.assert_array_equal(ours, torchs)

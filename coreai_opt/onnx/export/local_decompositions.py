@@ -116,6 +116,7 @@ def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set
     sub = _make_fx(call, values, table, node)
     if any(_mutates(inner) for inner in sub.graph.nodes):  # a decomposition written with in-place ops
         sub = _make_fx(torch.func.functionalize(call), values, table, node)
+    _drop_restrides(sub)
     outputs = sub.graph.output_node().args[0]
     if isinstance(outputs, (list, tuple)):  # meshgrid, split: the graph reads the parts with getitem
         if not all(isinstance(o, fx.Node) for o in outputs) or not all(
@@ -139,6 +140,40 @@ def _make_fx(call: Callable[..., Any], values: list[Any], table: dict[Any, Calla
         return make_fx(call, decomposition_table=table, tracing_mode="symbolic")(*values)
     except Exception as exc:  # noqa: BLE001 (any failure hands the program to torch's own decomposition)
         raise _NotLocal(f"{node.target} does not trace alone: {type(exc).__name__}") from exc
+
+
+def _drop_restrides(sub: fx.GraphModule) -> None:
+    """Remove ``as_strided_`` calls that leave every element of a tensor the subgraph made in its place.
+
+    ``adaptive_avg_pool1d`` / ``2d`` to one output position decompose to ``mean`` then ``as_strided_(out,
+    out.shape, strides)``, giving the fresh result the input's memory format. Where the shape is the same, there
+    is no offset and the strides agree on every dimension of size other than 1, each element is read from the same
+    place: the values do not change, and an ONNX tensor has no strides. (torch's whole-graph pass writes it as
+    shape arithmetic and a ``Reshape`` to the same shape: hf Swin's file has 10 more nodes that way, with the same
+    outputs.)
+    """
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    for inner in list(sub.graph.nodes):
+        if inner.target is not torch.ops.aten.as_strided_.default or len(inner.args) > 3:
+            continue
+        source = inner.args[0]
+        if not isinstance(source, fx.Node) or source.op == "placeholder" or len(source.users) != 1:
+            continue
+        size, stride = ([a.meta.get("val") if isinstance(a, fx.Node) else a for a in arg] for arg in inner.args[1:3])
+        before = source.meta.get("val")
+        if before is None or len(size) != before.dim() or len(stride) != before.dim():
+            continue
+        same_shape = all(statically_known_true(a == b) for a, b in zip(before.shape, size, strict=True))
+        # every element keeps its place: the strides agree wherever the size is not 1
+        same_places = all(statically_known_true(n == 1) or statically_known_true(a == b)
+                          for n, a, b in zip(before.shape, before.stride(), stride, strict=True))
+        if not (same_shape and same_places):
+            continue
+        inner.replace_all_uses_with(source)
+        sub.graph.erase_node(inner)
+    sub.graph.eliminate_dead_code()
+    sub.recompile()
 
 
 def _mutates(node: fx.Node) -> bool:
