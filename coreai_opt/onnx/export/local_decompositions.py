@@ -70,8 +70,10 @@ def _lowered_by_torch(op: torch._ops.OpOverload) -> bool:
     That is a ``CompositeImplicitAutograd`` op torch cannot preserve: a view or alias such as ``reshape``,
     ``flatten``, ``to.dtype``.
     """
-    from torch._export.utils import _is_preservable_cia_op
-
+    try:
+        from torch._export.utils import _is_preservable_cia_op
+    except ImportError as exc:  # a torch without this query: its own pass decides
+        raise _NotLocal("torch cannot say which composite ops it preserves") from exc
     composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(),
                                                                 torch._C.DispatchKey.CompositeImplicitAutograd)
     return composite and not _is_preservable_cia_op(op)
@@ -252,10 +254,13 @@ def decompose_locally(program: torch.export.ExportedProgram, registry: Any,
     Returns:
         The same program object, decomposed, or ``whole_graph(program, registry)``.
     """
-    from torch.onnx._internal.exporter import _decomp
+    try:  # the table torch's own pass builds (a torch without these helpers: its own pass)
+        from torch.onnx._internal.exporter import _decomp
 
-    translated = set(_decomp.get_onnx_implemented_overloads(registry))
-    table = _decomp.create_onnx_friendly_decomposition_table(translated)
+        translated = set(_decomp.get_onnx_implemented_overloads(registry))
+        table = _decomp.create_onnx_friendly_decomposition_table(translated)
+    except (ImportError, AttributeError):
+        return whole_graph(program, registry)
     graph = program.graph_module.graph
     try:
         nodes = _to_decompose(graph, translated, table)
