@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
-__all__ = ["FRESH_METHODS", "VIEW_METHODS", "may_alias_input", "is_pure", "sets_inplace"]
+__all__ = ["FRESH_METHODS", "VIEW_METHODS", "may_alias_input", "is_pure", "mutates", "sets_inplace"]
 
 #: Tensor methods that always allocate their result (or return a non-tensor).
 FRESH_METHODS: frozenset[str] = frozenset({
@@ -129,6 +129,12 @@ def sets_inplace(node: Node) -> bool:
     except TypeError:  # unhashable target
         return False
     return index is not None and index < len(node.args) and node.args[index] is True
+
+
+def mutates(node: Node) -> bool:
+    """Whether ``node`` calls an ATen or custom op whose schema writes into an argument (``add_``, ``copy_``)."""
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
 def _aten_aliases(target: torch._ops.OpOverload) -> bool:

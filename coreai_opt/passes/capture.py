@@ -26,7 +26,7 @@ import operator
 import os
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from coreai_opt.graph.dynamic_dims import axis_bounds, dynamic_axes
 from coreai_opt.graph.dynamic_shapes_request import check_dynamic_shapes, export_dynamic_shapes, optional_dims
 from coreai_opt.graph.graph_meta import GraphMeta, InputSpec, OutputLeaf, get_graph_meta, output_leaves, set_graph_meta
 from coreai_opt.graph.node_meta import NodeMeta, set_meta
+from coreai_opt.graph.op_effects import mutates
 from coreai_opt.graph.savable_graph_module import SavableGraphModule
 from coreai_opt.graph.shape_guards import check_shape_guards
 from coreai_opt.graph.shared_parameters import copy_sharing_parameters
@@ -233,8 +234,7 @@ def _export_program(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _mutates(program: torch.export.ExportedProgram) -> bool:
-    return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
-               for n in program.graph.nodes if n.op == "call_function")
+    return any(mutates(n) for n in program.graph.nodes if n.op == "call_function")
 
 
 def _export_outputs(exported: fx.GraphModule, out_spec: pytree.TreeSpec) -> tuple[OutputLeaf, ...] | None:
@@ -386,8 +386,6 @@ def capture(
     _record_scopes(gm, copied)
     names = [p for p in example.signature.parameters if p not in (concrete_args or {})]
     captured = get_graph_meta(gm)  # the capture records the outputs; torch.export also its symbolic axes
-    set_graph_meta(gm, GraphMeta(capture=used, input_names=tuple(names), input_specs=example.input_specs(),
-                                 dynamic_axes=captured.dynamic_axes if captured is not None else None,
-                                 axis_bounds=captured.axis_bounds if captured is not None else None,
-                                 outputs=captured.outputs if captured is not None else None))
+    set_graph_meta(gm, replace(captured or GraphMeta(capture=used), capture=used, input_names=tuple(names),
+                               input_specs=example.input_specs()))
     return gm

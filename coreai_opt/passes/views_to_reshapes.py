@@ -22,20 +22,15 @@ and the rewrite changes no value, only which memory the result may share.
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
+from coreai_opt.graph.op_effects import mutates
 from coreai_opt.graph.pass_result import PassResult
 
 __all__ = ["views_to_reshapes"]
 
 _VIEW = torch.ops.aten.view.default
 _RESHAPE = torch.ops.aten.reshape.default
-
-
-def _mutates(node: Node) -> bool:
-    """Whether ``node`` may write into an argument (a view it writes through must stay a view)."""
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
 def views_to_reshapes(gm: GraphModule) -> PassResult:
@@ -51,7 +46,7 @@ def views_to_reshapes(gm: GraphModule) -> PassResult:
     """
     changes = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is _VIEW and not any(map(_mutates, node.users)):
+        if node.op == "call_function" and node.target is _VIEW and not any(map(mutates, node.users)):
             node.target = _RESHAPE
             changes += 1
     if changes:

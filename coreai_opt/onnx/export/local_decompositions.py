@@ -44,6 +44,8 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from coreai_opt.graph.op_effects import mutates
+
 __all__ = ["decompositions_local", "decompose_locally"]
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ def _to_decompose(graph: fx.Graph, translated: set[Any], table: dict[Any, Callab
             raise _NotLocal(f"higher-order op {op}")
         if not isinstance(op, torch._ops.OpOverload) or op in _ASSERTIONS:
             continue  # Python operators on sizes, checks the exporter drops
-        if op._schema.is_mutable:
+        if mutates(node):
             raise _NotLocal(f"mutating op {op}")
         if op in table or _lowered_by_torch(op):
             nodes.append(node)
@@ -120,7 +122,7 @@ def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set
         return node.target(*args, **kwargs)
 
     sub = _make_fx(call, values, table, node)
-    if any(_mutates(inner) for inner in sub.graph.nodes):  # a decomposition written with in-place ops
+    if any(mutates(inner) for inner in sub.graph.nodes):  # a decomposition written with in-place ops
         sub = _make_fx(torch.func.functionalize(call), values, table, node)
     _drop_restrides(sub)
     outputs = sub.graph.output_node().args[0]
@@ -135,8 +137,12 @@ def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set
             raise _NotLocal(f"{node.target} decomposes to a constant")
         op = inner.target
         if inner.op == "call_function" and isinstance(op, torch._ops.OpOverload) and (
-                _mutates(inner) or op not in translated and op not in _ASSERTIONS):
+                mutates(inner) or op not in translated and op not in _ASSERTIONS):
             raise _NotLocal(f"{node.target} decomposes to {op}, which torchlib does not translate")
+    readers = [node, *(u for u in node.users if u.target is operator.getitem)]
+    if any(p.op == "placeholder" for p in pytree.tree_leaves(outputs)) and any(
+            u.op == "output" for r in readers for u in r.users):
+        raise _NotLocal(f"graph output {node.name} is an input once decomposed")
     return sub, [flat[i] for i in positions]
 
 
@@ -182,18 +188,14 @@ def _drop_restrides(sub: fx.GraphModule) -> None:
     sub.recompile()
 
 
-def _mutates(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
-
-
 class _Sizes:
     """The graph's first node holding each symbolic size, and where it stands (to reuse it, as a re-trace does)."""
 
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, removed: set[fx.Node]) -> None:
         self.position = {n: i for i, n in enumerate(graph.nodes)}
         self.first: dict[Any, fx.Node] = {}
         for n in graph.nodes:
-            expr = _size_expr(n)
+            expr = _size_expr(n) if n not in removed else None
             if expr is not None:
                 self.first.setdefault(expr, n)
 
@@ -265,16 +267,11 @@ def decompose_locally(program: torch.export.ExportedProgram, registry: Any,
     try:
         nodes = _to_decompose(graph, translated, table)
         traced = [_traced(node, table, translated) for node in nodes]
-        for node, (sub, _) in zip(nodes, traced, strict=True):
-            parts = pytree.tree_leaves(sub.graph.output_node().args[0])
-            readers = [node, *(u for u in node.users if u.target is operator.getitem)]
-            if any(p.op == "placeholder" for p in parts) and any(u.op == "output" for r in readers for u in r.users):
-                raise _NotLocal(f"graph output {node.name} is an input once decomposed")
     except _NotLocal as reason:
         logger.info("torch's whole-graph decomposition: %s", reason)
         return whole_graph(program, registry)
     replaced: dict[fx.Node, fx.Node] = {}
-    sizes = _Sizes(graph)
+    sizes = _Sizes(graph, {*nodes, *(u for n in nodes for u in n.users if u.target is operator.getitem)})
     for node, (sub, inputs) in zip(nodes, traced, strict=True):
         _splice(graph, node, sub, inputs, replaced, sizes)
     renamed = {node.name: output.name for node, output in replaced.items()}
