@@ -52,3 +52,23 @@ def test_per_round_ratio_is_the_ratio_of_each_rounds_fastest_runs() -> None:
     ours = (2.0, 4.0, 3.0, 1.0, 1.5, 1.0)  # rounds of 3 runs: fastest 2, 1
     peer = (1.0, 2.0, 3.0, 4.0, 2.0, 9.0)  # fastest 1, 2 (a run disturbed by load, 9.0, changes nothing)
     assert _per_round_ratios(ours, peer, 3) == [2.0, 0.5]
+
+
+def test_input_dependence_is_zero_for_a_constant_output_and_one_for_independent_noise() -> None:
+    import numpy as np
+
+    from benchmarks.corpus.runner import input_dependence
+
+    constant = [np.tile(np.arange(10.0), (8, 1)) for _ in range(3)]
+    assert input_dependence(constant) == 0.0
+    noise = [np.random.default_rng(seed).standard_normal((64, 10)) for seed in range(4)]
+    assert 0.95 < input_dependence(noise) < 1.0  # ~1 - 1/256 for N(0, 1) at every position
+
+
+def test_a_degenerate_row_says_its_batchnorm_statistics_came_from_data() -> None:
+    from benchmarks.audit.run import _flags
+
+    assert _flags({"input_dependence": [2e-5, 0.96]}) == ["BN from data (input dependence 2e-05 → 0.96)"]
+    assert _flags({"input_dependence": [2e-5, 3e-4]}) == [
+        "BN from data (input dependence 2e-05 → 0.00)", "degenerate output (input dependence 3e-04)"]
+    assert _flags({"input_dependence": [0.5]}) == []

@@ -16,6 +16,13 @@ per file and round); each round's time of a file is the fastest of its runs (mac
 minimum is the run least disturbed by it), the ratio is the median of the per-round ratios ours / peer and its spread
 their 25th–75th percentile; ``ours_ms`` / ``peer_ms`` are the medians of the per-round times. SQNR of each file's
 output against the float model on the evaluation batches.
+
+A model whose float output does not depend on its input (:func:`benchmarks.corpus.runner.input_dependence` below
+:data:`DEGENERATE`: hf MobileNetV2, MobileViTV2 and EfficientNet, whose N(0, 0.02²) convolutions hand each
+BatchNorm a signal far smaller than its randomized constants) ranks no quantizer: both files only reproduce one
+constant vector. Its BatchNorm statistics are then measured on data
+(:func:`coreai_opt.reference_models.batchnorm_statistics_from_data`, on batches of their own seed) before anything
+is measured, and the row keeps the dependence before and after (``input_dependence``, flag ``BN from data``).
 """
 
 from __future__ import annotations
@@ -34,11 +41,12 @@ from benchmarks.common.results_file import append_row, read_rows, write_part
 from benchmarks.common.study import BENCHMARKS, quiet_libraries
 from benchmarks.corpus.models import CorpusModel
 
-__all__ = ["LATENCY_MARGIN", "SQNR_MARGIN_DB", "audit_model", "configure", "main", "write_table"]
+__all__ = ["DEGENERATE", "LATENCY_MARGIN", "SQNR_MARGIN_DB", "audit_model", "configure", "main", "write_table"]
 
 FOLDER = BENCHMARKS / "audit"
 LATENCY_MARGIN = 1.03  # issue 29: no model slower than 1.03x quantize_static
 SQNR_MARGIN_DB = 0.5  # issue 29: SQNR >= the peer's - 0.5 dB
+DEGENERATE = 1e-3  # input_dependence below which the float output is one constant for every input
 RUNS_PER_ROUND = 10  # runs of each file per round; the round's time is the fastest
 
 
@@ -83,6 +91,7 @@ def audit_model(name: str, family: str, entry: CorpusModel, work: Path, rounds: 
         RunOptions,
         eager_outputs,
         export_float,
+        input_dependence,
         quantize_static_peer,
         run_onnx,
         sqnr_db,
@@ -99,6 +108,15 @@ def audit_model(name: str, family: str, entry: CorpusModel, work: Path, rounds: 
         calib = [entry.inputs(gen, options.calib_batch) for _ in range(options.calib_batches)]
         evals = [entry.inputs(gen, options.eval_batch) for _ in range(options.eval_batches)]
         reference = eager_outputs(model, evals)
+        row["input_dependence"] = [input_dependence(reference)]
+        if row["input_dependence"][0] < DEGENERATE:
+            from coreai_opt.reference_models import batchnorm_statistics_from_data
+
+            statistics_gen = torch.Generator().manual_seed(options.seed + 2)
+            batchnorm_statistics_from_data(model, [entry.inputs(statistics_gen, options.calib_batch)
+                                                   for _ in range(options.calib_batches)], seed=options.seed)
+            reference = eager_outputs(model, evals)
+            row["input_dependence"].append(input_dependence(reference))
         names = entry.input_names
         files = {"ours": work / "ours.onnx", "peer": work / "peer.onnx"}
         stage = "ours"
@@ -167,6 +185,11 @@ def _flags(row: dict[str, Any]) -> list[str]:
         flags.append("SQNR")
     if row.get("peer_axes"):
         flags.append("both: batch axis only")
+    dependence = row.get("input_dependence", [1.0])
+    if len(dependence) > 1:
+        flags.append(f"BN from data (input dependence {dependence[0]:.0e} → {dependence[-1]:.2f})")
+    if dependence[-1] < DEGENERATE:
+        flags.append(f"degenerate output (input dependence {dependence[-1]:.0e})")
     return flags
 
 

@@ -38,8 +38,8 @@ from benchmarks.common.onnx_utils import FLOAT_OPSET, session
 from benchmarks.corpus.models import CorpusModel
 from coreai_opt.onnx.verify.output_comparison import OutputComparison
 
-__all__ = ["CorpusRow", "RunOptions", "decisive_flips", "eager_outputs", "export_float", "output_verdict",
-           "quantize_static_peer", "run_corpus_model", "run_onnx", "sqnr_db", "top1_agreement"]
+__all__ = ["CorpusRow", "RunOptions", "decisive_flips", "eager_outputs", "export_float", "input_dependence",
+           "output_verdict", "quantize_static_peer", "run_corpus_model", "run_onnx", "sqnr_db", "top1_agreement"]
 
 Batch = tuple[Tensor, ...]
 STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
@@ -114,6 +114,19 @@ def sqnr_db(reference: Sequence[np.ndarray], approx: Sequence[np.ndarray]) -> fl
     noise = sum(float(np.square(r.astype(np.float64) - a.astype(np.float64)).sum())
                 for r, a in zip(reference, approx, strict=True))
     return float("inf") if noise == 0.0 else 10.0 * float(np.log10(signal / noise))
+
+
+def input_dependence(outputs: Sequence[np.ndarray]) -> float:
+    """How much a model's output depends on its input: across-sample std over overall std, in [0, ~1].
+
+    ``outputs`` are batches of one output, samples along axis 0. Every output position's standard deviation over
+    the samples, averaged over positions, divided by the standard deviation of all values: 0 when every sample gets
+    the same output (a random-init model whose BatchNorm constants swamp its signal), about 1 when the output varies
+    with the input as much as it does across positions. SQNR against such a constant output ranks nothing.
+    """
+    flat = np.concatenate([o.reshape(o.shape[0], -1) for o in outputs]).astype(np.float64)
+    overall = float(flat.std())
+    return 0.0 if overall == 0.0 else float(flat.std(0).mean()) / overall
 
 
 def top1_agreement(reference: Sequence[np.ndarray], other: Sequence[np.ndarray]) -> float:

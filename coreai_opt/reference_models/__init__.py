@@ -13,7 +13,7 @@ This package imports only torch and :mod:`coreai_opt.errors`.
 
 from __future__ import annotations
 
-from coreai_opt.reference_models.batchnorm_statistics import randomize_batchnorm
+from coreai_opt.reference_models.batchnorm_statistics import batchnorm_statistics_from_data, randomize_batchnorm
 from coreai_opt.reference_models.conv_nets import Conv1dGroupNorm, ConvTransposeDecoder, DigitsCNN
 from coreai_opt.reference_models.mobilenet import InvertedResidual, MobileNetV2Style, mobilenet_v2_style
 from coreai_opt.reference_models.pretrained import load_digits_cnn
@@ -31,6 +31,7 @@ from coreai_opt.reference_models.sequence_models import (
 
 __all__ = [  # alphabetical
     "BasicBlock",
+    "batchnorm_statistics_from_data",
     "CausalBlock",
     "Bottleneck",
     "Conv1dGroupNorm",
