@@ -1,9 +1,10 @@
-"""Run the sweep in chunks, resumably, one subprocess per model with a time budget; write the table.
+"""Run the sweep in chunks, resumably, one child process per model with a time budget; write the table.
 
 ``python -m benchmarks.run sweep --chunk 0/13 --budget 600`` runs entries
 ``0, 13, 26, ...`` of :func:`benchmarks.sweep.catalog.sweep_entries` that have no row in ``<out>/rows.jsonl`` yet,
-each in its own process (a crash or a hang costs one row), and rewrites ``<out>/RESULTS.md`` from every row so far
-(``--out`` defaults to ``benchmarks/sweep/``, the study's folder).
+each in its own process (forked from the chunk's parent, which imported the libraries once:
+:mod:`benchmarks.sweep.forked`; a crash or a hang costs one row), and rewrites ``<out>/RESULTS.md`` from every
+row so far (``--out`` defaults to ``benchmarks/sweep/``, the study's folder).
 A row records the stage our pipeline reached (prepare → calibrate → convert → export → verify), the error class
 (exception type and message with numbers masked), SQNR against float of our file and of ``quantize_static``'s,
 the integer kernels onnxruntime runs in each, and the seconds spent.
@@ -14,10 +15,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import re
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -120,6 +121,17 @@ def _run_one(name: str, out: Path) -> dict[str, object]:
     record = dataclasses.asdict(row)
     record["end_to_end_ok"] = row.end_to_end_ok
     return record
+
+
+def _child(name: str, out: Path, budget: float, memory_gib: float) -> None:
+    """A child's whole work: one model's row on stdout (``SWEEP-ROW {...}``) within ``budget`` and ``memory_gib``."""
+    start_budget_alarm(budget - ROW_GRACE)  # the parent's kill at the budget stays the backstop
+    start_memory_watch(name, memory_gib)
+    try:
+        row = _run_one(name, out)
+    except BudgetExceeded as exc:
+        row = {"name": name, "failed_stage": "timeout", "error": f"BudgetExceeded: {exc}"}
+    print("SWEEP-ROW " + json.dumps(row, default=str), flush=True)
 
 
 def _crash_error(returncode: int, stderr: str) -> str:
@@ -249,33 +261,28 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        start_budget_alarm(args.budget - ROW_GRACE)  # the parent's timeout stays the backstop
-        start_memory_watch(args.one, args.memory_gib)
-        try:
-            row = _run_one(args.one, args.out)
-        except BudgetExceeded as exc:
-            row = {"name": args.one, "failed_stage": "timeout", "error": f"BudgetExceeded: {exc}"}
-        print("SWEEP-ROW " + json.dumps(row, default=str), flush=True)
+        _child(args.one, args.out, args.budget, args.memory_gib)
         return 0
     from benchmarks.sweep.catalog import sweep_entries
+    from benchmarks.sweep.forked import preload, run_forked
+
 
     index, count = (int(v) for v in args.chunk.split("/"))
     names = [e.name for e in sweep_entries()][index::count][: args.limit]
     rows_path = args.out / "rows.jsonl"
     done = {json.loads(line)["name"] for line in rows_path.read_text().splitlines()} if rows_path.exists() else set()
-    for name in names:
-        if name in done:
-            continue
+    todo = [name for name in names if name not in done]
+    if todo:
+        preload()
+    for name in todo:
         start = time.monotonic()
-        try:
-            child = [sys.executable, "-m", "benchmarks.run", "sweep", "--one", name, "--out", str(args.out),
-                     "--budget", str(args.budget), "--memory-gib", str(args.memory_gib)]
-            proc = subprocess.run(child, capture_output=True, text=True, timeout=args.budget)
-            found = [line for line in proc.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
-            row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
-                "name": name, "failed_stage": "crash", "error": _crash_error(proc.returncode, proc.stderr)}
-        except subprocess.TimeoutExpired:
+        child = run_forked(functools.partial(_child, name, args.out, args.budget, args.memory_gib), args.budget)
+        found = [line for line in child.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
+        if child.returncode is None:
             row = {"name": name, "failed_stage": "timeout", "error": f"TimeoutExpired: over {args.budget:.0f} s"}
+        else:
+            row = json.loads(found[-1][len("SWEEP-ROW "):]) if found else {
+                "name": name, "failed_stage": "crash", "error": _crash_error(child.returncode, child.stderr)}
         row["wall"] = time.monotonic() - start
         with rows_path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
