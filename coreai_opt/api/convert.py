@@ -2,9 +2,11 @@
 
 Returns a copy (parameters of a post-training model share storage with ``prepared``'s, which are read-only;
 everything else deep-copied) in which weight qparams are recomputed from the final weights, every ``FakeQuantize``
-is in export mode (qparams frozen, observers off, fake quantization on), and relu/relu6/hardtanh nodes made
+is in export mode (qparams frozen, observers off, fake quantization on), relu/relu6/hardtanh nodes made
 redundant by their output quantizer are removed (exact, see
-:mod:`coreai_opt.passes.drop_redundant_activations`). BatchNorm was already folded by ``prepare``.
+:mod:`coreai_opt.passes.drop_redundant_activations`), and so is an activation quantizer whose only reader is then
+another one (a tensor rounded twice, which onnxruntime merges into one rounding of its own choosing:
+:mod:`coreai_opt.passes.drop_requantizations`). BatchNorm was already folded by ``prepare``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from coreai_opt.graph.finite_weights import check_finite_weights
 from coreai_opt.graph.graph_meta import require_graph_meta, set_graph_meta
 from coreai_opt.graph.shared_parameters import copy_sharing_parameters, protect_shared_parameters
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
+from coreai_opt.passes.drop_requantizations import drop_requantizations
 from coreai_opt.quantization.rounding.weight_rounding import rounding_results
 
 __all__ = ["convert"]
@@ -79,6 +82,7 @@ def convert(prepared: fx.GraphModule) -> fx.GraphModule:
     for _, bq in bias_quantizers(gm):  # frozen like set_export_mode: fake quantization on
         bq.enable_fake_quant(True)
     gm = drop_redundant_activations(gm).graph_module
+    gm = drop_requantizations(gm).graph_module
     gm.eval()
     set_graph_meta(gm, replace(meta, converted=True))
     return gm

@@ -1,7 +1,7 @@
 """The graph passes of coreai_opt, one pass per file (their shared helpers are :mod:`coreai_opt.graph`).
 
 ``prepare`` runs them in the order its module docstring lists (:mod:`coreai_opt.api.prepare`, the one copy of the
-recipe), and ``convert`` runs ``drop_redundant_activations``. Passes that delete nodes use
+recipe), and ``convert`` runs ``drop_redundant_activations`` then ``drop_requantizations``. Passes that delete nodes use
 :func:`~coreai_opt.graph.dead_code.remove_dead_nodes` (never ``Graph.eliminate_dead_code``, which deletes in-place
 ops whose result is unused); captured graphs are :class:`~coreai_opt.graph.savable_graph_module.SavableGraphModule`
 so that ``torch.save`` / ``pickle`` keep them whole. Every pass takes the GraphModule the pipeline owns and
@@ -21,6 +21,7 @@ from coreai_opt.passes.capture import CaptureError, capture
 from coreai_opt.passes.classify_ops import classify_ops
 from coreai_opt.passes.decompose_attention import decompose_attention
 from coreai_opt.passes.drop_redundant_activations import drop_redundant_activations
+from coreai_opt.passes.drop_requantizations import drop_requantizations
 from coreai_opt.passes.fold_batchnorm import fold_batchnorm
 from coreai_opt.passes.functionalize_inplace import functionalize_inplace
 from coreai_opt.passes.functionalize_weights import functionalize_weights
@@ -44,6 +45,7 @@ __all__ = [
     "classify_ops",
     "decompose_attention",
     "drop_redundant_activations",
+    "drop_requantizations",
     "fold_batchnorm",
     "functionalize_inplace",
     "functionalize_weights",
