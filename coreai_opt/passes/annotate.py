@@ -11,8 +11,11 @@ matmul                                      both operands (a ``get_attr`` operan
 embedding                                   weight only (indices are integers)
 add, mul, sub, div                          every tensor operand and the output (after a following relu);
                                             none with a number operand (``float_only_ops``)
-interpolate, avg_pool, relu*, sigmoid       input and output; none for a mean other than a 4-D
+interpolate, avg_pool, sigmoid             input and output; none for a mean other than a 4-D
                                             spatial one (``float_only_ops``)
+relu, relu6, hardtanh                       output only: onnxruntime has no integer kernel for them and folds
+                                            them into the Q after them; an input quantizer of a float producer
+                                            (an unfoldable BatchNorm) would round the tensor twice
 layer_norm, group_norm, gelu, silu,         none of their own under the global spec (no onnxruntime integer
 hardswish, tanh                             kernel: ``float_only_ops``); an op_kind / module entry: input
                                             and output
@@ -132,8 +135,9 @@ PATTERNS: dict[OpKind, _Pattern] = {
     OpKind.MATMUL: _Pattern(fuse_activation=True),
     **{k: _Pattern(fuse_activation=True) for k in (OpKind.ADD, OpKind.MUL, OpKind.SUB, OpKind.DIV)},
     **{k: _Pattern() for k in (OpKind.LAYER_NORM, OpKind.GROUP_NORM, OpKind.GELU, OpKind.SILU, OpKind.HARDSWISH,
-                               OpKind.INTERPOLATE, OpKind.AVG_POOL, OpKind.RELU, OpKind.RELU6, OpKind.HARDTANH,
-                               OpKind.SIGMOID, OpKind.TANH)},  # sigmoid / tanh: calibrated (module docstring)
+                               OpKind.INTERPOLATE, OpKind.AVG_POOL, OpKind.SIGMOID,
+                               OpKind.TANH)},  # sigmoid / tanh: calibrated (module docstring)
+    **{k: _Pattern(inputs=False) for k in _FUSABLE},  # the clamps: output only (module docstring)
     OpKind.SOFTMAX: _Pattern(float_range=(0.0, 1.0), power_of_two_step=True),
     OpKind.CAT: _Pattern(),  # inputs keep their producers' ranges (module docstring: why not one shared quantizer)
     **{k: _Pattern(inputs=False, output="share") for k in MOVER_KINDS},
