@@ -123,8 +123,12 @@ def _run_one(name: str, out: Path) -> dict[str, object]:
     return record
 
 
-def _child(name: str, out: Path, budget: float, memory_gib: float) -> None:
-    """A child's whole work: one model's row on stdout (``SWEEP-ROW {...}``) within ``budget`` and ``memory_gib``."""
+def _child(name: str, out: Path, budget: float, memory_gib: float, threads: int = 1) -> None:
+    """A child's whole work: one model's row on stdout (``SWEEP-ROW {...}``) within ``budget`` and ``memory_gib``,
+    computing on ``threads`` torch threads."""
+    import torch
+
+    torch.set_num_threads(threads)
     start_budget_alarm(budget - ROW_GRACE)  # the parent's kill at the budget stays the backstop
     start_memory_watch(name, memory_gib)
     try:
@@ -246,6 +250,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="at most this many entries of the chunk")
     parser.add_argument("--budget", type=float, default=600.0, help="seconds per model")
     parser.add_argument("--memory-gib", type=float, default=8.0, help="resident memory limit per model")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per model (1: two chunk loops share the 2 cores without oversubscribing)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
                         help="folder of rows.jsonl and RESULTS.md (default: benchmarks/sweep/)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one model, row on stdout
@@ -261,7 +267,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        _child(args.one, args.out, args.budget, args.memory_gib)
+        _child(args.one, args.out, args.budget, args.memory_gib, args.threads)
         return 0
     from benchmarks.sweep.catalog import sweep_entries
     from benchmarks.sweep.forked import preload, run_forked
@@ -276,7 +282,8 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         preload()
     for name in todo:
         start = time.monotonic()
-        child = run_forked(functools.partial(_child, name, args.out, args.budget, args.memory_gib), args.budget)
+        work = functools.partial(_child, name, args.out, args.budget, args.memory_gib, args.threads)
+        child = run_forked(work, args.budget)
         found = [line for line in child.stdout.splitlines() if line.startswith("SWEEP-ROW ")]
         if child.returncode is None:
             row = {"name": name, "failed_stage": "timeout", "error": f"TimeoutExpired: over {args.budget:.0f} s"}

@@ -57,6 +57,15 @@ kernel class that judged it when all held), after rule ``nan``: eager's own outp
    duplicates exactly. Measured: 0 calls missing on the 49 clean zoo x preset files and on clean hf-llama
    (benchmarks/verify/RESULTS.md).
 
+6. ``merged``: the file quantizes no tensor twice in a row in a way onnxruntime changes. Its
+   ``DoubleQDQPairsRemover`` rounds ``Q_A → DQ_A → Q_B → DQ_B`` once, at the intersection of the two ranges; the
+   code comparison cannot see it (its instrumented copy reads every quantizer's output, which keeps the pairs
+   apart), so :func:`~coreai_opt.onnx.verify.merged_pairs.merged_pairs` finds such pairs in the file itself and
+   the second quantizer fails unless the merge is the identity (same grid twice, or a repeat of a quantizer on its
+   own grid whose merged parameters are the second's). Measured before ``convert`` and ``annotate`` stopped
+   writing them: MobileViTV2 9 pairs (2 at a third scale), timm DenseNet-121 62 (42), a split → ReLU test net
+   466 of 800 outputs differing between onnxruntime and eager.
+
 Kernel classes, from the non-exact onnxruntime kernels between this quantizer and the quantizers it reads
 (:data:`coreai_opt.onnx.verify.ort_kernels.KERNELS`, onnxruntime's optimized graph of the instrumented copy):
 
@@ -96,6 +105,7 @@ import numpy as np
 import torch
 
 from coreai_opt.onnx.verify.localize import Boundary
+from coreai_opt.onnx.verify.merged_pairs import MergedPair
 
 __all__ = ["Forced", "QuantizerCodes", "judge_codes", "MISMATCH_EXACT", "MISMATCH_INTEGER", "MISMATCH_FLOAT",
            "MISMATCH_FLOAT_OWN", "MISMATCH_GAIN", "MISMATCH_SLACK_CODES", "BIAS_Z", "BIAS_TIES", "BIAS_MAX_UPSTREAM",
@@ -150,8 +160,9 @@ class QuantizerCodes:
         allowed_steps: The derived path bound on ``max_abs``.
         allowed_mismatch: The kernel class's allowed ``1 - identical``.
         qparams_match: The file's scale and zero point equal eager's.
-        rule: The rule that failed (``"nan"``, ``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``, ``"missing"``: no
-            node of the file was traced from this call), or ``"<kernels> kernels"`` when it passed.
+        rule: The rule that failed (``"nan"``, ``"qparams"``, ``"steps"``, ``"mismatch"``, ``"bias"``, ``"merged"``:
+            onnxruntime merges its pair with the one before it, ``"missing"``: no node of the file was traced from
+            this call), or ``"<kernels> kernels"`` when it passed.
         ok: Every rule holds.
         own_identical: Fraction of identical codes when eager reads onnxruntime's codes at the quantizers before
             (:class:`~coreai_opt.onnx.verify.quantize_calls.ForceQuantizeCalls`): what rules 3 and 4 judge. None
@@ -177,6 +188,14 @@ class QuantizerCodes:
     own_max_abs: float | None = None
 
     @classmethod
+    def merged(cls, call: int, module: str, node: str, pair: MergedPair) -> QuantizerCodes:
+        """A quantizer whose Q/DQ pair onnxruntime merges with the one before it into another rounding (rule 6)."""
+        where = (f"{node}: merged into scale {pair.scale:.8g} / zero point {pair.zero_point} where the file says "
+                 f"{pair.file_scale:.8g} / {pair.file_zero_point}")
+        return cls(f"quantize_dequantize_{call}", module, where, 0, 0.0, 0.0, 0.0, float("inf"), "merged", 0.0, 0.0,
+                   False, "merged", False)
+
+    @classmethod
     def missing(cls, call: int, shape: tuple[int, ...]) -> QuantizerCodes:
         """An activation quantizer eager calls but no node of the file was traced from (rule 5)."""
         return cls(f"quantize_dequantize_{call}", "", "absent from the file", int(np.prod(shape)), 0.0, 0.0, 0.0,
@@ -187,6 +206,10 @@ class QuantizerCodes:
             return (f"{self.call}: eager quantizes an activation of {self.count} values here, but no node of the "
                     f"file (QuantizeLinear, DequantizeLinear or a fused kernel) was traced from this call: the "
                     f"pair was dropped and its readers read the float tensor: FAILS rule missing")
+        if self.rule == "merged":
+            return (f"{self.call} ({self.module or '<top>'}, {self.node}): the tensor is quantized twice in a row "
+                    f"(Q -> DQ -> Q -> DQ) and onnxruntime's DoubleQDQPairsRemover rounds it once, at other "
+                    f"parameters than the file's and eager's: FAILS rule merged")
         verdict = "ok" if self.ok else f"FAILS rule {self.rule}"
         own = "" if self.own_identical is None else \
             f"; on the file's inputs {100 * self.own_identical:.2f}% identical, max {self.own_max_abs:g}"

@@ -28,6 +28,7 @@ from coreai_opt.onnx.verify.code_rules import Forced, QuantizerCodes, judge_code
 from coreai_opt.onnx.verify.fusion_report import optimized_model
 from coreai_opt.onnx.verify.integer_reference import INTEGER_KERNELS, IntegerReference
 from coreai_opt.onnx.verify.localize import Boundary, add_outputs_and_save, non_exact_behind, quantizer_boundaries
+from coreai_opt.onnx.verify.merged_pairs import merged_pairs
 from coreai_opt.onnx.verify.missing_calls import missing_calls, traced_calls, untraced_scales
 from coreai_opt.onnx.verify.ort_kernels import kernel_numerics
 from coreai_opt.onnx.verify.quantize_calls import NEAR_TIE, ForceQuantizeCalls, RecordQuantizeCalls
@@ -137,6 +138,9 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
     if not boundaries:
         return (), []
     traced, rebuilt, codes = traced_calls(exported), untraced_scales(exported), cache_scales(model, exported.graph)
+    at_boundary = {b.tensor: b for b in boundaries}
+    merged = {f"quantize_dequantize_{b.call}": QuantizerCodes.merged(b.call, b.module, b.node.name, pair)
+              for pair in merged_pairs(exported) if (b := at_boundary.get(pair.tensor)) is not None}  # rule 6
     with tempfile.TemporaryDirectory(prefix="coreai_opt_codes_") as tmp:
         # the loaded file itself becomes the instrumented copy, released before onnxruntime loads it: one copy of
         # the weights at a time (the file, then the optimized dump, whose weights stay on disk, then the session)
@@ -191,7 +195,8 @@ def compare_quantizer_codes(model: nn.Module, path: str | Path, batch: tuple[tor
         if codes is not None:
             mismatch[b.tensor], differing[b.tensor] = 1.0 - codes.identical, round(codes.count * (1 - codes.identical))
             steps[b.tensor], judged[i] = codes.max_abs, codes
-    return _with_missing([judged[i] for i in sorted(judged)], missing), forced_outputs
+    compared = [merged.pop(judged[i].call, judged[i]) for i in sorted(judged)]
+    return _with_missing(compared, missing + list(merged.values())), forced_outputs
 
 
 def _forced_forward(model: nn.Module, integer_calls: set[int], boundaries: Sequence[Boundary],
