@@ -111,8 +111,16 @@ def _registry():
     return ONNXRegistry.from_torchlib()
 
 
+class _Identity(nn.Module):
+    """``torch.eye(n)``: an op with no tensor input, which make_fx traces in a fake mode of its own (hf Qwen3.5)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.eye(x.shape[-1]) + x
+
+
 @pytest.mark.parametrize("model, example", [
     (_Branches(), (torch.randn(2, 3, 4),)),  # a higher-order op: its subgraphs are not walked
+    (_Identity(), (torch.randn(2, 3, 4),)),  # the spliced values would belong to another fake mode
 ])
 def test_a_program_the_local_route_cannot_handle_goes_to_torchs_decomposition_untouched(model, example):
     program = torch.export.export(model, example, strict=False)

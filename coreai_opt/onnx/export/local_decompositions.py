@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -103,9 +104,12 @@ def _to_decompose(graph: fx.Graph, translated: set[Any], table: dict[Any, Callab
     return nodes
 
 
-def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set[Any]
+def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set[Any], modes: set[int]
             ) -> tuple[fx.GraphModule, list[fx.Node]]:
-    """``node``'s op decomposed (step 2): the traced subgraph and the graph nodes its placeholders stand for."""
+    """``node``'s op decomposed (step 2): the traced subgraph and the graph nodes its placeholders stand for.
+
+    ``modes``: the fake modes of the program's values (:func:`_fake_modes`); the subgraph's must be among them.
+    """
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
     values = []
@@ -124,6 +128,10 @@ def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set
     sub = _make_fx(call, values, table, node)
     if any(mutates(inner) for inner in sub.graph.nodes):  # a decomposition written with in-place ops
         sub = _make_fx(torch.func.functionalize(call), values, table, node)
+    if _fake_modes(sub.graph) - modes:
+        # make_fx made a fake mode of its own (an op whose inputs hold no fake tensor of the program's): nodes
+        # carrying its values break the exporter's later steps (hf Qwen3.5: "fake mode ... doesn't match mode")
+        raise _NotLocal(f"{node.target} traces in a fake mode other than the program's")
     _drop_restrides(sub)
     outputs = sub.graph.output_node().args[0]
     if isinstance(outputs, (list, tuple)):  # meshgrid, split: the graph reads the parts with getitem
@@ -144,6 +152,12 @@ def _traced(node: fx.Node, table: dict[Any, Callable[..., Any]], translated: set
             u.op == "output" for r in readers for u in r.users):
         raise _NotLocal(f"graph output {node.name} is an input once decomposed")
     return sub, [flat[i] for i in positions]
+
+
+def _fake_modes(graph: fx.Graph) -> set[int]:
+    """Identities of the fake modes of the fake tensors the nodes of ``graph`` carry as values."""
+    return {id(v.fake_mode) for node in graph.nodes for v in pytree.tree_leaves(node.meta.get("val"))
+            if isinstance(v, FakeTensor)}
 
 
 def _make_fx(call: Callable[..., Any], values: list[Any], table: dict[Any, Callable[..., Any]], node: fx.Node
@@ -266,7 +280,8 @@ def decompose_locally(program: torch.export.ExportedProgram, registry: Any,
     graph = program.graph_module.graph
     try:
         nodes = _to_decompose(graph, translated, table)
-        traced = [_traced(node, table, translated) for node in nodes]
+        modes = _fake_modes(graph)
+        traced = [_traced(node, table, translated, modes) for node in nodes]
     except _NotLocal as reason:
         logger.info("torch's whole-graph decomposition: %s", reason)
         return whole_graph(program, registry)
