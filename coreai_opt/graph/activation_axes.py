@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 
 from coreai_opt.errors import CoreaiOptValueError
 from coreai_opt.graph.capture_error import source_of
-from coreai_opt.graph.node_meta import Role, get_meta, node_label, tensor_info
+from coreai_opt.graph.node_meta import Role, called_quantizer, get_meta, node_label, tensor_info
 from coreai_opt.graph.op_kinds import MOVER_KINDS
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize, PerTensor
 
@@ -29,12 +29,8 @@ def _candidates(gm: GraphModule) -> list[tuple[Node, FakeQuantize, int]]:
     """``(call node, quantizer, axis)`` of every call of a stateful non-per-tensor activation quantizer, in order."""
     found = []
     for node in gm.graph.nodes:
-        info = get_meta(node).quantizer
-        if info is None or info.role is not Role.ACTIVATION or node.op != "call_module":
-            continue
-        fq = gm.get_submodule(str(node.target))
-        if (not isinstance(fq, FakeQuantize) or isinstance(fq.spec.granularity, PerTensor)
-                or not fq.stateful):
+        fq = called_quantizer(gm, node, Role.ACTIVATION)
+        if fq is None or isinstance(fq.spec.granularity, PerTensor) or not fq.stateful:
             continue
         found.append((node, fq, fq.spec.granularity.axis))
     return found

@@ -24,13 +24,15 @@ from enum import Enum
 from typing import Any
 
 import torch
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.op_kinds import OpKind
+from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
 from coreai_opt.quantization.spec.spec import QuantizationSpec
 
 __all__ = [
     "always_empty",
+    "called_quantizer",
     "META_KEY",
     "Role",
     "QuantSpec",
@@ -161,6 +163,15 @@ class NodeMeta:
     annotation: Annotation | None = None
     float_reason: str | None = None
     quantizer: QuantizerInfo | None = None
+
+
+def called_quantizer(gm: GraphModule, node: Node, role: Role) -> FakeQuantize | None:
+    """The ``FakeQuantize`` module ``node`` calls as a quantizer of ``role``, else None."""
+    info = get_meta(node).quantizer
+    if node.op != "call_module" or info is None or info.role is not role:
+        return None
+    module = gm.get_submodule(str(node.target))
+    return module if isinstance(module, FakeQuantize) else None
 
 
 def get_meta(node: Node) -> NodeMeta:

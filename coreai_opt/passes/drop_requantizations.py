@@ -32,7 +32,7 @@ from __future__ import annotations
 from torch.fx import GraphModule, Node
 
 from coreai_opt.graph.identity_ops import is_identity
-from coreai_opt.graph.node_meta import Role, get_meta
+from coreai_opt.graph.node_meta import Role, called_quantizer, get_meta
 from coreai_opt.graph.op_kinds import MOVER_KINDS
 from coreai_opt.graph.pass_result import PassResult
 from coreai_opt.graph.shape_queries import reads_only_metadata
@@ -42,13 +42,8 @@ __all__ = ["drop_requantizations"]
 
 
 def _frozen_activation_quantizer(gm: GraphModule, node: Node) -> FakeQuantize | None:
-    info = get_meta(node).quantizer
-    if node.op != "call_module" or info is None or info.role is not Role.ACTIVATION:
-        return None
-    fq = gm.get_submodule(str(node.target))
-    if not isinstance(fq, FakeQuantize) or not fq.export_mode or fq.spec.dtype_info.is_float:
-        return None
-    return fq
+    fq = called_quantizer(gm, node, Role.ACTIVATION)
+    return fq if fq is not None and fq.export_mode and not fq.spec.dtype_info.is_float else None
 
 
 def _only_value_reader(node: Node, reader: Node) -> bool:

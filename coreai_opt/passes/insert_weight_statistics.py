@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
-from coreai_opt.graph.node_meta import NodeMeta, Role, copy_provenance, get_meta, set_meta
+from coreai_opt.graph.node_meta import NodeMeta, Role, called_quantizer, copy_provenance, get_meta, set_meta
 from coreai_opt.graph.op_kinds import OpKind
 from coreai_opt.graph.pass_result import PassResult
 from coreai_opt.quantization.spec import FakeQuantize
@@ -26,11 +26,8 @@ __all__ = ["insert_weight_statistics"]
 
 def _statistics_of(gm: GraphModule, node: Node) -> str | None:
     """``<quantizer>.rounding.statistics`` when ``node`` calls a weight quantizer with input statistics."""
-    info = get_meta(node).quantizer
-    if node.op != "call_module" or info is None or info.role is not Role.WEIGHT:
-        return None
-    fq = gm.get_submodule(str(node.target))
-    if not isinstance(fq, FakeQuantize) or not fq.rounds_with_data:
+    fq = called_quantizer(gm, node, Role.WEIGHT)
+    if fq is None or not fq.rounds_with_data:
         return None
     return f"{node.target}.{FakeQuantize.INPUT_STATISTICS}"
 

@@ -10,26 +10,30 @@ from torch import nn
 __all__ = ["batchnorm_statistics_from_data", "randomize_batchnorm"]
 
 
+def _batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
+
+
+def _draw_affine(m: nn.modules.batchnorm._BatchNorm, gen: torch.Generator) -> None:
+    """Weight U(0.75, 1.25), bias 0.1 N(0, 1), when ``m`` has them (under ``torch.no_grad``)."""
+    if m.affine:
+        m.weight.copy_(torch.rand(m.num_features, generator=gen) * 0.5 + 0.75)
+        m.bias.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+
+
 def randomize_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
     """Give every BatchNorm non-trivial running statistics and affine parameters (in place), so folding matters.
 
     Freshly built models have mean 0, variance 1, weight 1 and bias 0, for which folding is nearly the identity.
     """
     gen = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
-            with torch.no_grad():
-                m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
-                m.running_var.copy_(torch.rand(m.num_features, generator=gen) * 0.5 + 0.5)
-                if m.affine:
-                    m.weight.copy_(torch.rand(m.num_features, generator=gen) * 0.5 + 0.75)
-                    m.bias.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+    with torch.no_grad():
+        for m in _batchnorms(model):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+            m.running_var.copy_(torch.rand(m.num_features, generator=gen) * 0.5 + 0.5)
+            _draw_affine(m, gen)
     return model
-
-
-def _batchnorms(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [m for m in model.modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
 
 
 def batchnorm_statistics_from_data(model: nn.Module, batches: Iterable[tuple[torch.Tensor, ...]],
@@ -56,9 +60,7 @@ def batchnorm_statistics_from_data(model: nn.Module, batches: Iterable[tuple[tor
         for m in norms:
             m.reset_running_stats()
             m.momentum = None
-            if m.affine:
-                m.weight.copy_(torch.rand(m.num_features, generator=gen) * 0.5 + 0.75)
-                m.bias.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+            _draw_affine(m, gen)
         model.train()
         try:
             for batch in batches:
