@@ -18,7 +18,7 @@ from benchmarks.sweep.catalog import (
     shrink_config,
     timm_entries,
 )
-from benchmarks.sweep.run import error_class, main
+from benchmarks.sweep.run import chunk_names, error_class, expected_seconds, main
 
 
 def test_shrink_config_sets_every_size_field_the_config_has() -> None:
@@ -38,6 +38,11 @@ def test_shrink_config_sets_every_size_field_the_config_has() -> None:
     assert (perceiver.d_latents, perceiver.num_latents, perceiver.num_self_attends_per_block) == (32, 16, 2)
     falcon_h1 = shrink_config(transformers.AutoConfig.for_model("falcon_h1"))  # 128 SSM heads x 256 states: 8 GiB
     assert (falcon_h1.mamba_n_heads, falcon_h1.mamba_d_ssm, falcon_h1.mamba_d_state) == (4, 32, 16)
+    # block repeats named apart from the layer count: xLSTM's 32 blocks and HRM's 16 layers per stack (each ran
+    # out of the 600 s budget) are capped at the small layer count; Perceiver's one block stays one
+    xlstm = shrink_config(transformers.AutoConfig.for_model("xlstm"))
+    hrm = shrink_config(transformers.AutoConfig.for_model("hrm_text"))
+    assert (xlstm.num_blocks, hrm.num_layers_per_stack, perceiver.num_blocks) == (2, 2, 1)
 
 
 def test_shrink_config_keeps_derived_widths_consistent() -> None:
@@ -136,11 +141,27 @@ def test_error_class_masks_numbers_and_names() -> None:
     assert a == b == "ValueError: cN.batch_norm: qparam shape changed from (N,) to (N,); '…' bad"
 
 
+def test_chunks_are_balanced_by_earlier_wall_times_longest_first(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [
+        {"name": "a", "wall": 10.0}, {"name": "b", "wall": 9.0}, {"name": "c", "wall": 700.0},
+        {"name": "c", "wall": 5.0}, {"name": "d", "wall": 4.0}, {"name": "gone", "wall": 3.0}]))
+    expected = expected_seconds(rows, budget=600.0)
+    assert expected == {"a": 10.0, "b": 9.0, "c": 5.0, "d": 4.0, "gone": 3.0}  # the last row of a name wins
+    names = ["a", "b", "c", "d", "e"]  # e has no row: the median of the known (9 s)
+    # a 10 -> 0; b 9 -> 1; e 9 -> 1 (18); c 5 -> 0 (15); d 4 -> 0 (19): loads 19 / 18, by index they were 19 / 13
+    assert (chunk_names(names, 0, 2, expected), chunk_names(names, 1, 2, expected)) == (["a", "c", "d"], ["b", "e"])
+    assert chunk_names(names, 0, 1, expected) == names
+    assert expected_seconds(tmp_path / "none.jsonl", 600.0) == {}
+    assert chunk_names(names, 1, 2, {}) == ["b", "d"]  # no rows: equal weights, catalog order alternates
+
+
 def test_runner_resumes_from_its_rows_and_writes_the_table(tmp_path: Path) -> None:
     first = timm_entries()[0].name
     row = {"name": first, "failed_stage": "calibrate", "error": "IndexError: aminmax: dim 1", "wall": 3.0}
     (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
-    main(["--chunk", "0/100000", "--limit", "1", "--out", str(tmp_path)])  # the one entry is done: no run
+    # no earlier rows to balance by: chunk 0 of 100000 is the catalog's first entry, which is done: no run
+    main(["--chunk", "0/100000", "--limit", "1", "--out", str(tmp_path), "--balance-by", str(tmp_path / "none")])
     assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 1
     table = (tmp_path / "RESULTS.md").read_text()
     assert f"| {first} | prepare (failed in calibrate) | IndexError: aminmax: dim N |" in table

@@ -3,8 +3,9 @@
 :func:`shrink_config` rebuilds a library default config small through its constructor: the size fields it has are
 set small (:data:`SMALL_SIZES`, :data:`SUFFIX_SIZES`: head parts, low ranks, experts), stage lists get one block per
 stage and widths divided by one factor (the first becomes 16; a ``*channels`` field equal to a stage width follows
-it), another name for the model width follows ``hidden_size``, per-layer lists follow the layer count (and a count
-of some of the layers scales with it; a heterogeneous ``per_layer_config`` shrinks layer by layer), sub-configs
+it), another name for the model width follows ``hidden_size``, per-layer lists follow the layer count, block
+repeat counts named apart from it are capped by it (and a count of some of the layers scales with it; a heterogeneous
+``per_layer_config`` shrinks layer by layer), sub-configs
 shrink the same way, every vocabulary is :data:`VOCAB`, and the special tokens the heads read exist (a pad token,
 an end-of-sequence token). :func:`config_for` hands a model class the sub-config of the type it takes (a causal LM
 built on a composite config's decoder).
@@ -47,6 +48,9 @@ _STAGE_DEPTHS = ("depths", "layers", "num_layers_per_stage", "block_repeats", "b
 _STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "dims", "widths", "hidden_dims")
 _STAGE_HEADS = ("num_heads", "num_attention_heads", "heads")
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "encoder_layers")
+#: Repeat counts of a model's blocks named apart from its layer count (xLSTM's blocks, HRM's layers per stack): at
+#: most the small layer count (never raised: a one-block model stays one block).
+_BLOCK_COUNTS = ("num_blocks", "num_layers_per_stack")
 
 
 def _field_values(config: Any) -> dict[str, Any]:
@@ -137,6 +141,8 @@ def _shrunk_fields(config: Any) -> dict[str, Any]:
             changes[key] = shrink_config(value)
         elif value is None and key in SMALL_SIZES and key != "num_labels":
             changes[key] = SMALL_SIZES[key]  # a size the config leaves unset (None) but its model reads
+        elif key in _BLOCK_COUNTS and isinstance(value, int) and value > SMALL_SIZES["num_hidden_layers"]:
+            changes[key] = SMALL_SIZES["num_hidden_layers"]
         elif isinstance(value, int) and not isinstance(value, bool):
             small = _small_int(key, value, hidden, widths)
             if small is not None and small != value:
