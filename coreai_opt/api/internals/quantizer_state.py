@@ -8,7 +8,7 @@ import torch
 from torch import fx, nn
 
 from coreai_opt.graph.graph_attrs import attr_value
-from coreai_opt.graph.node_meta import Role, get_meta
+from coreai_opt.graph.node_meta import Role, called_quantizer
 from coreai_opt.quantization.rounding.input_statistics import InputStatistics
 from coreai_opt.quantization.spec import BiasFakeQuantize, FakeQuantize
 
@@ -44,12 +44,10 @@ def weight_quantizer_inputs(gm: fx.GraphModule) -> list[tuple[FakeQuantize, torc
     """``(weight quantizer, weight tensor)`` for every weight quantizer call on a ``get_attr``."""
     pairs = []
     for node in gm.graph.nodes:
-        info = get_meta(node).quantizer
-        if info is None or info.role is not Role.WEIGHT or node.op != "call_module":
-            continue
-        source = node.args[0]
+        quantizer = called_quantizer(gm, node, Role.WEIGHT)
+        source = node.args[0] if quantizer is not None else None
         if isinstance(source, fx.Node) and source.op == "get_attr":
-            pairs.append((gm.get_submodule(str(node.target)), attr_value(gm, source.target)))
+            pairs.append((quantizer, attr_value(gm, source.target)))
     return pairs
 
 

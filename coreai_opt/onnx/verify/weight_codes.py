@@ -27,10 +27,9 @@ from onnx import numpy_helper
 from torch import fx, nn
 
 from coreai_opt.graph.graph_attrs import get_attr_value
-from coreai_opt.graph.node_meta import Role, get_meta
+from coreai_opt.graph.node_meta import Role, called_quantizer, get_meta
 from coreai_opt.graph.op_kinds import OpKind, lookup_op
 from coreai_opt.onnx.rewrite.graph import OnnxGraph
-from coreai_opt.quantization.fake_quantize.fake_quantize import FakeQuantize
 
 __all__ = ["WeightCheck", "WeightCodes", "compare_weight_codes"]
 
@@ -186,11 +185,8 @@ def compare_weight_codes(model: nn.Module, graph_model: onnx.ModelProto, base: P
     graph = OnnxGraph(graph_model)  # reader index: each lookup below without a scan of every node
     weights, skipped = [], 0
     for node in model.graph.nodes:
-        if node.op != "call_module" or not node.args or not isinstance(node.args[0], fx.Node):
-            continue
-        info = get_meta(node).quantizer
-        quantizer = model.get_submodule(str(node.target))
-        if info is None or info.role is not Role.WEIGHT or not isinstance(quantizer, FakeQuantize):
+        quantizer = called_quantizer(model, node, Role.WEIGHT)
+        if quantizer is None or not node.args or not isinstance(node.args[0], fx.Node):
             continue
         parameter = get_attr_value(node.args[0], model)
         if not isinstance(parameter, torch.Tensor):
