@@ -13,12 +13,12 @@ from typing import Any
 from coreai_opt.config.coercion import require_mapping
 from coreai_opt.config.module_types import normalize_module_type
 from coreai_opt.config.op_config import OpConfig, op_config_from_value
-from coreai_opt.passes.annotate import CONFIGURABLE_KINDS, SHARING_KINDS
+from coreai_opt.graph.op_patterns import CONFIGURABLE_KINDS, SHARING_KINDS
 
 __all__ = ["OP_KINDS", "normalize_level", "validate_op_kind", "validate_regex"]
 
 #: The op kinds a config can target with ``op_kind``: every kind whose quantization pattern applies the config's
-#: specs (derived from :data:`coreai_opt.passes.annotate.PATTERNS`, so the two cannot drift apart).
+#: specs (derived from :data:`coreai_opt.graph.op_patterns.PATTERNS`, so the two cannot drift apart).
 OP_KINDS: tuple[str, ...] = tuple(kind.value for kind in CONFIGURABLE_KINDS)
 _SHARING_KINDS: tuple[str, ...] = tuple(kind.value for kind in SHARING_KINDS)
 

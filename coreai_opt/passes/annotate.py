@@ -15,7 +15,9 @@ interpolate, avg_pool, sigmoid             input and output; none for a mean oth
                                             spatial one (``float_only_ops``)
 relu, relu6, hardtanh                       output only: onnxruntime has no integer kernel for them and folds
                                             them into the Q after them; an input quantizer of a float producer
-                                            (an unfoldable BatchNorm) would round the tensor twice
+                                            (an unfoldable BatchNorm) would round the tensor twice. On an
+                                            input already quantized (a cat's, an add's with other readers)
+                                            the output shares that quantizer (``_shares_input_grid``)
 layer_norm, group_norm, gelu, silu,         none of their own under the global spec (no onnxruntime integer
 hardswish, tanh                             kernel: ``float_only_ops``); an op_kind / module entry: input
                                             and output
@@ -66,11 +68,12 @@ node at once. Ops left float get a reason in
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import replace
+from typing import NamedTuple
 
 from torch.fx import GraphModule, Node
 
+from coreai_opt.config.resolution import Resolver
 from coreai_opt.graph.activation_ranges import edge_request_spec, fixed_range_spec
 from coreai_opt.graph.float_only_ops import float_only_reason, yields_to_neighbours
 from coreai_opt.graph.graph_attrs import node_shape
@@ -87,16 +90,21 @@ from coreai_opt.graph.node_meta import (
     get_meta,
     set_meta,
 )
-from coreai_opt.graph.op_kinds import MOVER_KINDS, ArgLayout, OpKind, lookup_op
+from coreai_opt.graph.op_kinds import ArgLayout, OpKind, lookup_op
+from coreai_opt.graph.op_patterns import (
+    CANONICAL_AXES,
+    CLAMP_KINDS,
+    MATMUL_AXES,
+    PATTERNS,
+    map_weight_spec,
+    weight_axes_of,
+)
 from coreai_opt.graph.pass_result import PassResult
 from coreai_opt.graph.shape_queries import value_users
 from coreai_opt.graph.unread_outputs import drop_unread_linear_outputs
 from coreai_opt.quantization.spec import FAKE_QUANTIZE, PerBlock, PerChannel, QuantizationSpec
 
-if TYPE_CHECKING:  # config imports the passes (level_keys): a type only, no import cycle
-    from coreai_opt.config.resolution import Resolver
-
-__all__ = ["CONFIGURABLE_KINDS", "SHARING_KINDS", "PATTERNS", "annotate"]
+__all__ = ["annotate"]
 
 
 class _Resolved(NamedTuple):
@@ -106,55 +114,6 @@ class _Resolved(NamedTuple):
 
 
 
-_FUSABLE = frozenset({OpKind.RELU, OpKind.RELU6, OpKind.HARDTANH})
-
-
-@dataclass(frozen=True)
-class _Pattern:
-    """What one op kind quantizes (see the module table)."""
-
-    inputs: bool = True
-    weight_axes: dict[int, int] | None = None  # canonical axis -> real axis; None: no weight
-    output: str | None = "own"  # "own", "share" (value-preserving) or None
-    fuse_activation: bool = False
-    float_range: tuple[float, float] | None = None
-    power_of_two_step: bool = False  # shrink the fixed range so an integer step is 2^-k (see activation_ranges)
-
-    @property
-    def reads_config(self) -> bool:
-        """False for value-moving ops, which share their input's quantizer whatever the config says."""
-        return self.output != "share"
-
-
-_ID = {0: 0, 1: 1}
-PATTERNS: dict[OpKind, _Pattern] = {
-    OpKind.CONV: _Pattern(weight_axes=_ID, fuse_activation=True),
-    OpKind.CONV_TRANSPOSE: _Pattern(weight_axes={0: 1, 1: 0}, fuse_activation=True),
-    OpKind.LINEAR: _Pattern(weight_axes=_ID, fuse_activation=True),
-    OpKind.EMBEDDING: _Pattern(inputs=False, weight_axes=_ID, output=None),
-    OpKind.MATMUL: _Pattern(fuse_activation=True),
-    **{k: _Pattern(fuse_activation=True) for k in (OpKind.ADD, OpKind.MUL, OpKind.SUB, OpKind.DIV)},
-    **{k: _Pattern() for k in (OpKind.LAYER_NORM, OpKind.GROUP_NORM, OpKind.GELU, OpKind.SILU, OpKind.HARDSWISH,
-                               OpKind.INTERPOLATE, OpKind.AVG_POOL, OpKind.SIGMOID,
-                               OpKind.TANH)},  # sigmoid / tanh: calibrated (module docstring)
-    **{k: _Pattern(inputs=False) for k in _FUSABLE},  # the clamps: output only (module docstring)
-    OpKind.SOFTMAX: _Pattern(float_range=(0.0, 1.0), power_of_two_step=True),
-    OpKind.CAT: _Pattern(),  # inputs keep their producers' ranges (module docstring: why not one shared quantizer)
-    **{k: _Pattern(inputs=False, output="share") for k in MOVER_KINDS},
-}
-#: Op kinds whose pattern applies the config's specs, in :class:`OpKind` order: the config's ``op_kind`` keys.
-CONFIGURABLE_KINDS: tuple[OpKind, ...] = tuple(k for k in OpKind if k in PATTERNS and PATTERNS[k].reads_config)
-#: Op kinds that only move values and share their input's quantizer (a config cannot target them).
-SHARING_KINDS: tuple[OpKind, ...] = tuple(k for k in OpKind if k in PATTERNS and not PATTERNS[k].reads_config)
-#: Operand index of a matmul -> canonical-to-real axis map of a constant operand ([M, K] @ [K, N]).
-_MATMUL_AXES = {0: {0: -2, 1: -1}, 1: {0: -1, 1: -2}}
-
-
-def _weight_axes(pattern: _Pattern, layout: ArgLayout) -> dict[int, int] | None:
-    """Canonical -> real weight axes: the call's own layout (``addmm``'s ``[in, out]``) or the kind's."""
-    return dict(layout.weight_axes) if layout.weight_axes else pattern.weight_axes
-
-
 def _data_args(node: Node, layout: ArgLayout) -> list[Node]:
     out: list[Node] = []
     for ref in layout.data:
@@ -162,18 +121,6 @@ def _data_args(node: Node, layout: ArgLayout) -> list[Node]:
         values = value if isinstance(value, (list, tuple)) else [value]
         out.extend(v for v in values if isinstance(v, Node))
     return out
-
-
-def _map_weight_spec(spec: QuantizationSpec, axes: dict[int, int], shape: tuple[int, ...]) -> QuantizationSpec:
-    """Return ``spec`` with its granularity axis moved from the canonical layout to the weight's layout."""
-    g = spec.granularity
-    if not isinstance(g, (PerChannel, PerBlock)):
-        return spec
-    canonical = g.axis % len(shape) if -len(shape) <= g.axis < len(shape) else g.axis
-    real = axes.get(canonical, canonical)
-    real = real % len(shape) if -len(shape) <= real < len(shape) else real
-    mapped = PerChannel(real) if isinstance(g, PerChannel) else PerBlock(real, g.block_size)
-    return spec.model_copy(update={"granularity": mapped})
 
 
 def _label(node: Node) -> str:
@@ -211,9 +158,35 @@ class _Matcher:
             self._resolved[node] = _Resolved(r.weight, r.activation, r.source)
         return self._resolved[node]
 
+    def _shares_input_grid(self, clamp: Node, resolved: _Resolved) -> bool:
+        """Whether the relu / relu6 / hardtanh ``clamp`` reuses its input's quantizer instead of its own.
+
+        Its input already lies on a grid when a quantizer of the producer's output (or of a value-moving chain
+        from it) precedes it. Clamping values of that grid keeps them on it (0 is a grid point: the zero point is
+        an integer), so a second quantizer could only round them again onto a coarser or finer grid: in eager
+        ``Q_B(relu(Q_A(x)))``, and in onnxruntime, which folds the relu into ``Q_B`` (zero point 0) and then merges
+        ``Q_A → DQ_A → Q_B → DQ_B`` into one pair at a third scale, so eager and the file part. Sharing is exact.
+        Only when the clamp's configured activation spec is the one that quantizer was built from (or refines):
+        a config giving the clamp a spec of its own (another dtype, range) is obeyed, and so is one keeping it
+        float.
+        """
+        act = resolved.activation
+        if act is None or FAKE_QUANTIZE.get_class(act.fake_quantize).exports_dynamic or not clamp.args:
+            return False
+        tensor = clamp.args[0]
+        while isinstance(tensor, Node):
+            annotation = get_meta(tensor).annotation
+            output = annotation.output if annotation is not None else None
+            if isinstance(output, QuantSpec):  # a linear's dropped as unread drops its sharers (unread_outputs)
+                return act in (output.spec, output.refines)
+            if not isinstance(output, SharedSpec) or not isinstance(output.edge_or_node, Node):
+                return False
+            tensor = output.edge_or_node
+        return False
+
     def weight_spec(self, op: Node, weight: Node, spec: QuantizationSpec, axes: dict[int, int]) -> QuantSpec | None:
         shape = node_shape(weight, self.gm)
-        mapped = _map_weight_spec(spec, axes, shape)
+        mapped = map_weight_spec(spec, axes, shape)
         try:
             mapped.granularity.qparam_shape(shape)
         except ValueError as exc:
@@ -255,6 +228,8 @@ class _Matcher:
             return None, None
         label = _label(node)
         resolved = self.specs(node)
+        if meta.kind in CLAMP_KINDS and self._shares_input_grid(node, resolved):
+            return Annotation(output=SharedSpec(node.args[0])), None
         float_only = float_only_reason(node, meta.kind, len(data)) \
             or yields_to_neighbours(meta.kind, _activation_source(resolved.source))
         if float_only is not None:
@@ -274,7 +249,7 @@ class _Matcher:
                 if arg.op == "get_attr":
                     data.remove(arg)
                     if resolved.weight is not None:
-                        spec = self.weight_spec(node, arg, resolved.weight, _MATMUL_AXES[index])
+                        spec = self.weight_spec(node, arg, resolved.weight, MATMUL_AXES[index])
                         inputs += [(arg, spec)] if spec else []
         if pattern.inputs and act is not None:  # each input keeps its producer's range (activation_ranges)
             inputs += [(a, QuantSpec(edge_request_spec(act, self.specs(a).activation), Role.ACTIVATION)) for a in data]
@@ -282,7 +257,7 @@ class _Matcher:
             if resolved.weight is None:
                 reason = f"{_label(node)} weight left float: no weight spec ({resolved.source})"
             else:
-                spec = self.weight_spec(node, weight_node, resolved.weight, _weight_axes(pattern, layout))
+                spec = self.weight_spec(node, weight_node, resolved.weight, weight_axes_of(pattern, layout))
                 inputs += [(weight_node, spec)] if spec else []
                 bias = self.bias_spec(node, layout, data, weight_node, act, spec, dynamic)
                 if isinstance(bias, str):
@@ -299,7 +274,7 @@ class _Matcher:
             refines = None if out_spec.float_range is None else out_spec.model_copy(update={"float_range": None})
             tail = skip_identities(self.gm, node)  # conv → Identity → relu (timm's BatchNormAct2d) fuses too
             users = value_users(tail)  # x.shape / x.ndim readers do not block the fusion
-            if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in _FUSABLE \
+            if pattern.fuse_activation and len(users) == 1 and get_meta(users[0]).kind in CLAMP_KINDS \
                     and users[0].args and users[0].args[0] is tail:
                 self.fused[users[0]] = QuantSpec(out_spec, Role.ACTIVATION, refines=refines)
                 fused = f"{get_meta(users[0]).kind.value} '{users[0].name}'"
@@ -328,7 +303,7 @@ class _Matcher:
         if act.dtype_info.is_float or weight_spec.spec.dtype_info.is_float:
             return "bias left float: int32 bias needs integer input and weight dtypes"
         g = weight_spec.spec.granularity
-        out_axis = (_weight_axes(PATTERNS[get_meta(node).kind], layout) or _ID)[0]
+        out_axis = (weight_axes_of(PATTERNS[get_meta(node).kind], layout) or CANONICAL_AXES)[0]
         shape = node_shape(weight, self.gm)
         if isinstance(g, PerBlock) or (isinstance(g, PerChannel) and
                                        (g.axis != out_axis or shape[out_axis] != node_shape(bias, self.gm)[0])):

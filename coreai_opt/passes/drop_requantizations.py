@@ -4,8 +4,9 @@ A quantizer shared across a value-moving op (split, reshape, slice, max-pool: mo
 is called again on the moved tensor, ``A(move(A(x)))``; the second call is the identity, its input already lies on
 ``A``'s grid. After :func:`~coreai_opt.passes.drop_redundant_activations.drop_redundant_activations` bypasses a
 ReLU, that second call can read straight into the ReLU's output quantizer ``B``: MobileViTV2's attention reads
-``relu(value)`` of a split of the quantized q / k / v projection. Eager computes ``B(A(v)) = B(v)``; the file
-says ``Q_A → DQ_A → Q_B → DQ_B``.
+``relu(value)`` of a split of the quantized q / k / v projection. (Under one activation spec the ReLU now shares
+``A`` instead, :mod:`~coreai_opt.passes.annotate`; ``B`` remains where the config gives the ReLU, or any reader,
+a spec of its own.) Eager computes ``B(A(v)) = B(v)``; the file says ``Q_A → DQ_A → Q_B → DQ_B``.
 
 onnxruntime does not run that file as written. Its ``DoubleQDQPairsRemover`` turns the two pairs into one over
 the intersection of their ranges,

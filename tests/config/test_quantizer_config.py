@@ -238,7 +238,7 @@ def test_resolve_accepts_str_enum_op_kind_and_names_its_value():
 
 def test_op_kinds_are_exactly_the_kinds_whose_annotation_pattern_applies_the_config():
     from coreai_opt.graph.op_kinds import OpKind
-    from coreai_opt.passes.annotate import PATTERNS
+    from coreai_opt.graph.op_patterns import PATTERNS
 
     configurable = [k.value for k in OpKind if k in PATTERNS and k not in (OpKind.MOVE, OpKind.DROPOUT,
                                                                              OpKind.MAX_POOL)]

@@ -19,8 +19,8 @@ from torch.nn import functional as F
 import coreai_opt as co
 from coreai_opt.config import OpConfig
 from coreai_opt.graph.op_kinds import OpKind
+from coreai_opt.graph.op_patterns import PATTERNS, OpPattern
 from coreai_opt.onnx.verify.verify_onnx import VerificationReport
-from coreai_opt.passes.annotate import PATTERNS, _Pattern
 from tests.passes.test_decompose_attention import B, E, H, L, _Attention, _padding_mask
 from tests.passes.test_fold_batchnorm import _ConvBNAct
 from tests.zoo import randomize_batchnorm
@@ -296,7 +296,7 @@ def test_squeeze_excite_gate_is_calibrated_inside_zero_one_and_beats_the_fixed_r
     results = {}
     for fixed in (False, True):
         if fixed:  # the previous default: sigmoid outputs fixed to [0, 1]
-            monkeypatch.setitem(PATTERNS, OpKind.SIGMOID, _Pattern(float_range=(0.0, 1.0)))
+            monkeypatch.setitem(PATTERNS, OpKind.SIGMOID, OpPattern(float_range=(0.0, 1.0)))
         prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), batches[0])
         co.calibrate(prepared, batches, progress=False)
         converted = co.convert(prepared)

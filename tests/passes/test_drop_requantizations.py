@@ -32,7 +32,12 @@ def _calibrated() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     torch.manual_seed(0)  # a seed where the ReLU's calibrated top lies above the conv output's grid
     model = _SplitRelu().eval()
     data = [torch.randn(8, 4, 5, 5) for _ in range(2)]
-    prepared = co.prepare(model, co.QuantizerConfig.presets.w8a8(), (data[0],))
+    # the ReLU asks for an activation spec of its own (equal numbers: global_minmax reads no averaging constant);
+    # under the global spec it would share the conv's quantizer and no second one would follow the split
+    config = co.QuantizerConfig.presets.w8a8()
+    own = config.activation.model_copy(update={"averaging_constant": 0.02})
+    config = config.set_op_kind("relu", co.OpConfig(activation=own))
+    prepared = co.prepare(model, config, (data[0],))
     co.calibrate(prepared, data, progress=False)
     return prepared, data
 
