@@ -83,7 +83,7 @@ def test_verify_onnx_str_is_a_table_with_fusion_report(mlp: tuple[nn.Module, Pat
     text = str(verify_onnx(model, path, torch.randn(4, 64)))
     lines = text.splitlines()
     assert lines[0].startswith("ONNX verification of mlp.onnx: 1 batch(es), 4 sample(s), 3 quantizer(s) compared "
-                               "(0 failing), ok=True")
+                               "on 4 sample(s) of the first batch (0 failing), ok=True")
     assert lines[1].split() == ["output", "shape", "max", "|diff|", "steps", "allowed", "argmax", "agree", "ok"]
     assert lines[2].split()[0] == "output" and lines[2].split()[-1] == "True"
     # two requantising integer kernels (fc1 and fc2 as QGemm) between the input quantizer and the output

@@ -67,6 +67,7 @@ from coreai_opt.onnx.verify.output_comparison import (
 from coreai_opt.onnx.verify.output_steps import OutputStep
 from coreai_opt.onnx.verify.quantizer_codes import compare_quantizer_codes
 from coreai_opt.onnx.verify.runtimes import graph_input_names, open_runner
+from coreai_opt.onnx.verify.sample_budget import batch_size, leading_rows, leading_samples, samples_within_budget
 from coreai_opt.onnx.verify.tolerance import OutputTolerance, derive_tolerances
 from coreai_opt.onnx.verify.weight_codes import WeightCheck, compare_weight_codes
 from coreai_opt.passes.sink_weight_quantizers import eager_order
@@ -95,6 +96,9 @@ class VerificationReport:
             weight-only files, OpenVINO or ``check_quantizers=False``).
         weights: The file's stored 8-bit weights against eager's, code by code
             (:mod:`coreai_opt.onnx.verify.weight_codes`; empty with ``check_quantizers=False``).
+        quantizer_samples: Leading samples of the first batch the quantizers were compared on (and of each batch a
+            failing output was judged again on): all of them unless their quantizer outputs exceed the memory
+            budget (:mod:`coreai_opt.onnx.verify.sample_budget`); 0 when not compared.
     """
 
     path: Path
@@ -106,6 +110,7 @@ class VerificationReport:
     divergence: Divergence | None = None
     quantizers: tuple[QuantizerCodes, ...] = ()
     weights: WeightCheck = WeightCheck()
+    quantizer_samples: int = 0
 
     @property
     def first_failing_quantizer(self) -> QuantizerCodes | None:
@@ -150,7 +155,8 @@ class VerificationReport:
                  f"{self.num_samples} sample(s)")
         if self.quantizers:
             failing = sum(not q.ok for q in self.quantizers)
-            title += f", {len(self.quantizers)} quantizer(s) compared ({failing} failing)"
+            title += (f", {len(self.quantizers)} quantizer(s) compared on {self.quantizer_samples} sample(s) of the "
+                      f"first batch ({failing} failing)")
         if self.weights.weights:
             failing = sum(not w.ok for w in self.weights.weights)
             title += f", {len(self.weights.weights)} weight(s) compared ({failing} failing)"
@@ -308,12 +314,18 @@ def verify_onnx(
     )
     num_samples = sum(int(b[0].shape[0]) if b[0].dim() else 1 for b in batches)
     quantizers: tuple[QuantizerCodes, ...] = ()
+    quantizer_samples = 0
     if check_quantizers and runtime == "onnxruntime":
         failing = not all(o.ok for o in outputs)  # then judged again on the file's codes (OutputComparison)
-        quantizers, forced = compare_quantizer_codes(model, path, batches[0], providers=providers,
-                                                     forced_batches=batches if failing else ())
+        quantizer_samples = samples_within_budget(model, batches[0])  # memory-bounded (sample_budget)
+        heads = [leading_samples(b, quantizer_samples) for b in batches]
+        quantizers, forced = compare_quantizer_codes(model, path, heads[0], providers=providers,
+                                                     forced_batches=heads if failing else ())
+        sizes = [batch_size(b) for b in batches]
         outputs = tuple(
-            _on_file_codes(o, [f[k] for f in forced], gots[k], steps, tolerances, units)
+            _on_file_codes(o, [f[k] for f in forced],
+                           [leading_rows(g, quantizer_samples, n) for g, n in zip(gots[k], sizes, strict=True)],
+                           steps, tolerances, units)
             if not o.ok and forced and all(len(f) == len(outputs) for f in forced) else o
             for k, o in enumerate(outputs)
         )
@@ -323,4 +335,4 @@ def verify_onnx(
             and not judged_ok:  # an output failed free-running, and the file fails: where the two first part
         divergence = localize_divergence(model, path, batches[0], providers=providers)
     return VerificationReport(path, len(batches), num_samples, outputs, fusion_report(path), runtime, divergence,
-                              quantizers, weights)
+                              quantizers, weights, quantizer_samples)
