@@ -197,6 +197,28 @@ _MOVE = OpEntry(OpKind.MOVE, _UNARY)
 _PADS: frozenset[Any] = frozenset({F.pad, aten.pad, aten.constant_pad_nd})
 
 
+#: Casts: a mover when the output keeps its input's float dtype (see :func:`_same_dtype_cast`), else ``OTHER``.
+_CASTS: frozenset[Any] = frozenset({aten.to, aten._to_copy})
+_CAST_METHODS = frozenset({"to", "type", "type_as", "float"})
+
+
+def _same_dtype_cast(node: Node) -> bool:
+    """True for a cast whose output has its input's floating dtype: it returns the values unchanged.
+
+    transformers' eager attention writes ``softmax(scores, dtype=float32).to(query.dtype)``, a no-op in float32.
+    As ``OTHER`` the cast's output got a quantizer of its own behind softmax's, calibrated on the same values
+    (to ``[0, 1]``: a causal row of one position is exactly 1) while softmax's range is ``[0, 255/256]``; eager
+    rounded twice and onnxruntime, after dropping the cast, merged the two Q/DQ pairs at softmax's scale (hf
+    BLOOM, MPT, Gemma 2: verify's rule ``merged`` failed). A mover shares its input's quantizer instead.
+    """
+    source = node.args[0] if node.args else None
+    if not isinstance(source, Node):
+        return False
+    out, value = (n.meta.get("val", n.meta.get("tensor_meta")) for n in (node, source))
+    dtypes = getattr(out, "dtype", None), getattr(value, "dtype", None)
+    return dtypes[0] is not None and dtypes[0] == dtypes[1] and dtypes[0].is_floating_point
+
+
 def _zero_spatial_pad(node: Node) -> bool:
     """True for ``pad(x, pads, "constant", 0)`` that pads only axes 2.. of a tensor of known rank.
 
@@ -244,6 +266,8 @@ def lookup_op(node: Node, gm: GraphModule) -> OpEntry:
                 return _BY_MODULE[cls]
         return _OTHER
     if node.op == "call_method":
+        if str(node.target) in _CAST_METHODS:
+            return _MOVE if _same_dtype_cast(node) else _OTHER
         return _BY_METHOD.get(str(node.target), _OTHER)
     target = node.target
     packet = getattr(target, "overloadpacket", None)  # aten OpOverload -> its packet
@@ -255,6 +279,8 @@ def lookup_op(node: Node, gm: GraphModule) -> OpEntry:
     try:
         if target in _PADS:
             return _MOVE if _zero_spatial_pad(node) else _OTHER
+        if target in _CASTS:
+            return _MOVE if _same_dtype_cast(node) else _OTHER
         return _BY_FUNCTION.get(target, _OTHER)
     except TypeError:  # unhashable target
         return _OTHER

@@ -1,0 +1,52 @@
+"""A cast to the tensor's own dtype moves no value: it shares its input's quantizer (one rounding per edge)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import coreai_opt as co
+from coreai_opt.graph.node_meta import get_meta
+from coreai_opt.graph.op_kinds import OpKind
+
+
+class _EagerAttention(nn.Module):
+    """transformers' eager attention tail: ``softmax(scores, dtype=float32).to(query.dtype) @ value``, with a causal
+    mask so row 0 attends to one position and its probability is exactly 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("causal", torch.ones(6, 6, dtype=torch.bool).triu(1))
+
+    def forward(self, scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores.masked_fill(self.causal, -1e4), dim=-1, dtype=torch.float32).to(value.dtype)
+        return probs @ value
+
+
+@pytest.mark.parametrize("capture", ["export", "fx"])
+def test_a_same_dtype_cast_after_softmax_shares_its_quantizer_and_onnxruntime_equals_eager(
+        capture: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 6, 6) * 3, torch.randn(4, 6, 8)) for _ in range(3)]
+    prepared = co.prepare(_EagerAttention().eval(), co.QuantizerConfig.presets.w8a8(), data[0], capture=capture)
+    casts = [n for n in prepared.graph.nodes if "to" == str(n.target) or "aten.to" in str(n.target)]
+    assert casts and all(get_meta(n).kind is OpKind.MOVE for n in casts)
+    served = [get_meta(n).quantizer.serves for n in prepared.graph.nodes if get_meta(n).quantizer is not None]
+    assert not any(s.startswith("to") for s in served)  # no quantizer of the cast's own (it was calibrated to [0, 1])
+    co.calibrate(prepared, data, progress=False)
+    converted = co.convert(prepared)
+    path = co.export_onnx(converted, data[0], tmp_path / "attention.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    with torch.no_grad():
+        for batch in data:
+            got = session.run(None, dict(zip(names, (t.numpy() for t in batch), strict=True)))[0]
+            # measured with the cast's own quantizer: 13 of 192 outputs differed (onnxruntime merged the pairs)
+            np.testing.assert_allclose(got, converted(*batch).numpy(), rtol=0, atol=1e-6)
+    report = co.verify_onnx(converted, path, data)
+    assert report.ok, report
