@@ -198,7 +198,7 @@ _PADS: frozenset[Any] = frozenset({F.pad, aten.pad, aten.constant_pad_nd})
 
 
 #: Casts: a mover when the output keeps its input's float dtype (see :func:`_same_dtype_cast`), else ``OTHER``.
-_CASTS: frozenset[Any] = frozenset({aten.to, aten._to_copy})
+_CASTS: frozenset[Any] = frozenset({aten.to, aten._to_copy, aten.type_as})
 _CAST_METHODS = frozenset({"to", "type", "type_as", "float"})
 
 

@@ -19,25 +19,30 @@ class _EagerAttention(nn.Module):
     """transformers' eager attention tail: ``softmax(scores, dtype=float32).to(query.dtype) @ value``, with a causal
     mask so row 0 attends to one position and its probability is exactly 1."""
 
-    def __init__(self) -> None:
+    def __init__(self, cast: str) -> None:
         super().__init__()
+        self.cast = cast
         self.register_buffer("causal", torch.ones(6, 6, dtype=torch.bool).triu(1))
 
     def forward(self, scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores.masked_fill(self.causal, -1e4), dim=-1, dtype=torch.float32).to(value.dtype)
+        probs = torch.softmax(scores.masked_fill(self.causal, -1e4), dim=-1, dtype=torch.float32)
+        probs = probs.to(value.dtype) if self.cast == "to" else probs.type_as(value)  # Gemma 3n: type_as
         return probs @ value
 
 
+@pytest.mark.parametrize("cast", ["to", "type_as"])
 @pytest.mark.parametrize("capture", ["export", "fx"])
 def test_a_same_dtype_cast_after_softmax_shares_its_quantizer_and_onnxruntime_equals_eager(
-        capture: str, tmp_path: Path) -> None:
+        capture: str, cast: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = [(torch.randn(4, 6, 6) * 3, torch.randn(4, 6, 8)) for _ in range(3)]
-    prepared = co.prepare(_EagerAttention().eval(), co.QuantizerConfig.presets.w8a8(), data[0], capture=capture)
-    casts = [n for n in prepared.graph.nodes if "to" == str(n.target) or "aten.to" in str(n.target)]
+    prepared = co.prepare(_EagerAttention(cast).eval(), co.QuantizerConfig.presets.w8a8(), data[0], capture=capture)
+    casts = [n for n in prepared.graph.nodes if str(n.target) in ("to", "type_as")
+             or str(n.target).startswith(("aten.to", "aten.type_as"))]
     assert casts and all(get_meta(n).kind is OpKind.MOVE for n in casts)
     served = [get_meta(n).quantizer.serves for n in prepared.graph.nodes if get_meta(n).quantizer is not None]
-    assert not any(s.startswith("to") for s in served)  # no quantizer of the cast's own (it was calibrated to [0, 1])
+    # no quantizer of the cast's own (it was calibrated to [0, 1] behind softmax's [0, 255/256])
+    assert not any(s.startswith(("to", "type_as")) for s in served)
     co.calibrate(prepared, data, progress=False)
     converted = co.convert(prepared)
     path = co.export_onnx(converted, data[0], tmp_path / "attention.onnx")
