@@ -1,4 +1,4 @@
-"""A cast to the tensor's own dtype moves no value: it shares its input's quantizer (one rounding per edge)."""
+"""A cast to the tensor's own dtype, and a tensor_split, move no value: they share their input's quantizer."""
 
 from __future__ import annotations
 
@@ -53,5 +53,32 @@ def test_a_same_dtype_cast_after_softmax_shares_its_quantizer_and_onnxruntime_eq
             got = session.run(None, dict(zip(names, (t.numpy() for t in batch), strict=True)))[0]
             # measured with the cast's own quantizer: 13 of 192 outputs differed (onnxruntime merged the pairs)
             np.testing.assert_allclose(got, converted(*batch).numpy(), rtol=0, atol=1e-6)
+    report = co.verify_onnx(converted, path, data)
+    assert report.ok, report
+
+
+class _TensorSplit(nn.Module):
+    """Mamba's mixer: ``torch.tensor_split`` of a quantized projection into pieces each product reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b, c = torch.tensor_split(self.proj(x), 3, dim=-1)
+        return (a * b) @ c.transpose(-1, -2)
+
+
+def test_tensor_split_pieces_share_the_projections_quantizer_and_onnxruntime_equals_eager(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 5, 8),) for _ in range(3)]
+    prepared = co.prepare(_TensorSplit().eval(), co.QuantizerConfig.presets.w8a8(), data[0], capture="export")
+    splits = [n for n in prepared.graph.nodes if "tensor_split" in str(n.target)]
+    assert splits and all(get_meta(n).kind is OpKind.MOVE for n in splits)
+    served = [get_meta(n).quantizer.serves for n in prepared.graph.nodes if get_meta(n).quantizer is not None]
+    assert not any(s.startswith("getitem") for s in served)  # the pieces read the projection's grid
+    co.calibrate(prepared, data, progress=False)
+    converted = co.convert(prepared)
+    path = co.export_onnx(converted, data[0], tmp_path / "split.onnx")
     report = co.verify_onnx(converted, path, data)
     assert report.ok, report
