@@ -209,7 +209,7 @@ def test_duplicate_pair_the_exporter_merged_is_not_missing_but_dropping_it_is(tm
     assert dropped.first_failing_quantizer is not None and dropped.first_failing_quantizer.rule == "missing"
 
 class _ResidualNorm(nn.Module):
-    """A residual sum requantized on its own grid by the norm's float32 cast (hf-llama's decoder layer)."""
+    """A residual sum, then the norm's float32 cast (hf-llama's decoder layer)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -222,12 +222,11 @@ class _ResidualNorm(nn.Module):
         return self.second(self.weight * hidden.to(x.dtype))
 
 
-def test_dropped_pair_whose_requantization_repeats_its_codes_is_still_missing(tmp_path: Path) -> None:
-    """The residual sum's pair dropped: the cast's quantizer (same scale, traced) now reads the float sum and gives
-    the codes eager's two calls give, so its *output* equals the dropped call's; its *input* does not, so the dropped
-    call is no merged duplicate and rule ``missing`` names it (hf-llama drop_qdq, quantize_dequantize_71)."""
-    from coreai_opt.onnx.verify.quantizer_codes import traced_calls
-
+def test_a_dropped_pair_that_its_own_quantizer_repeats_leaves_eagers_values(tmp_path: Path) -> None:
+    """The float32 cast is a mover: the sum's quantizer is called again after it (the same module, not a quantizer
+    of the cast's own, which rounded twice and which onnxruntime merged). Dropping the sum's first pair then leaves
+    the file computing exactly eager's values, Q(sum) = Q(Q(sum)), and verify accepts it: no output or code
+    differs. (When the cast had its own quantizer at the same scale, rule ``missing`` named the dropped call.)"""
     torch.manual_seed(0)
     batches = [(torch.randn(8, 16),) for _ in range(3)]
     model, path = _w8a8_exported(_ResidualNorm(), batches, tmp_path / "residual.onnx")
@@ -237,15 +236,13 @@ def test_dropped_pair_whose_requantization_repeats_its_codes_is_still_missing(tm
                  and graph.producer(q.input[0]).op_type == "Add")
     (dq_sum,) = graph.readers(q_sum.output[0])
     (requant,) = graph.readers(dq_sum.output[0])
-    assert requant.op_type == "QuantizeLinear" and requant.input[1] == q_sum.input[1]  # same grid, a second call
+    assert requant.op_type == "QuantizeLinear" and requant.input[1] == q_sum.input[1]  # the same quantizer again
     assert verify_onnx(model, path, batches[2:]).ok
 
     remove_pair(clean, q_sum, [dq_sum])
     onnx.save(clean, str(tmp_path / "dropped.onnx"))
-    (dropped_call,) = traced_calls(onnx.load(str(path))) - traced_calls(clean)
     report = verify_onnx(model, tmp_path / "dropped.onnx", batches[2:])
-    assert not report.ok
-    assert [q.call for q in report.quantizers if q.rule == "missing"] == [f"quantize_dequantize_{dropped_call}"]
+    assert report.ok and report.max_abs_diff == 0.0, report
 
 def test_clean_w4a8_export_with_rounding_flips_is_not_flagged(exported: Callable[[str, str], Exported]) -> None:
     """Behind blocked int4 weights onnxruntime runs Conv in float: sparse ±1 flips (up to 52 % of fc's 160 codes)."""

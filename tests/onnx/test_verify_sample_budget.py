@@ -10,7 +10,12 @@ from torch import nn
 
 import coreai_opt as co
 from coreai_opt.onnx.verify import sample_budget
-from coreai_opt.onnx.verify.sample_budget import leading_rows, leading_samples, samples_within_budget
+from coreai_opt.onnx.verify.sample_budget import (
+    ActivationBytes,
+    leading_rows,
+    leading_samples,
+    samples_within_budget,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +32,27 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, Path
 
 def test_samples_within_budget_counts_each_samples_activation_quantizer_bytes(converted) -> None:
     model, _, data = converted
+    with ActivationBytes(model) as counted, torch.no_grad():
+        model(data[0])
     # per sample: the input (64), the first linear's output after the fused ReLU (32), the returned output (16),
     # float32: 448 bytes; weights do not count (their quantizers' outputs do not grow with the batch)
-    assert samples_within_budget(model, (data[0],), budget=448 * 3) == 3
-    assert samples_within_budget(model, (data[0],), budget=448 * 3 - 1) == 2
-    assert samples_within_budget(model, (data[0],), budget=10) == 1  # at least one sample
-    assert samples_within_budget(model, (data[0],)) == 8  # the default 1 GiB holds the whole batch
+    assert counted.bytes == 8 * 448
+    assert samples_within_budget(model, (data[0],), counted.bytes, budget=448 * 3) == 3
+    assert samples_within_budget(model, (data[0],), counted.bytes, budget=448 * 3 - 1) == 2
+    assert samples_within_budget(model, (data[0],), counted.bytes, budget=10) == 1  # at least one sample
+    assert samples_within_budget(model, (data[0],), counted.bytes) == 8  # the default 1 GiB holds the whole batch
+
+
+class _StaticBatch(nn.Module):
+    """A model that takes its example batch only (a reshape to a literal size)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(8, 64).sum(-1)
+
+
+def test_a_model_that_refuses_a_smaller_batch_is_compared_on_the_whole_batch() -> None:
+    x = torch.randn(8, 64)
+    assert samples_within_budget(_StaticBatch(), (x,), batch_bytes=10**9, budget=100) == 8
 
 
 def test_leading_samples_cut_only_tensors_of_the_batchs_size() -> None:

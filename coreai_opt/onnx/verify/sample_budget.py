@@ -11,7 +11,8 @@ failing output on the file's codes, use the leading
     n = \min(N, \max(1, \lfloor B / b \rfloor))
 
 samples of each batch, with :math:`N` the batch's size, :math:`b` the bytes of one sample's activation-quantizer
-outputs (measured on a one-sample eager forward) and :math:`B` = :data:`CODES_BUDGET_BYTES`. The outputs themselves
+outputs (counted during verify's own eager forward of the first batch, divided by :math:`N`) and
+:math:`B` = :data:`CODES_BUDGET_BYTES`. The outputs themselves
 are compared on every sample. Tensors whose first dimension is not the batch's (a position table, a mask of one
 row) are passed whole.
 """
@@ -24,7 +25,8 @@ from torch import fx, nn
 
 from coreai_opt.graph.node_meta import Role, called_quantizer
 
-__all__ = ["CODES_BUDGET_BYTES", "batch_size", "leading_rows", "leading_samples", "samples_within_budget"]
+__all__ = ["CODES_BUDGET_BYTES", "ActivationBytes", "batch_size", "leading_rows", "leading_samples",
+           "samples_within_budget"]
 
 #: Bytes of activation-quantizer outputs one side of the comparison may hold (eager's and onnxruntime's each).
 CODES_BUDGET_BYTES = 1 << 30
@@ -46,33 +48,48 @@ def leading_rows(array: np.ndarray, n: int, size: int) -> np.ndarray:
     return array[:n] if array.ndim and array.shape[0] == size else array
 
 
-def _activation_bytes(model: fx.GraphModule, batch: tuple[torch.Tensor, ...]) -> int:
-    """Bytes every activation quantizer call of ``model`` outputs on ``batch``."""
-    quantizers = {called_quantizer(model, node, Role.ACTIVATION) for node in model.graph.nodes} - {None}
-    total = 0
+class ActivationBytes:
+    """Counts the bytes every activation quantizer call of a GraphModule outputs while it is entered.
 
-    def count(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
-        nonlocal total
-        total += output.numel() * output.element_size()
+    Entered around verify's own eager forward of the first batch (no extra forward): ``bytes`` is then that batch's
+    total.
+    """
 
-    handles = [q.register_forward_hook(count) for q in quantizers]
-    try:
-        with torch.no_grad():
-            model(*batch)
-    finally:
-        for handle in handles:
+    def __init__(self, model: nn.Module) -> None:
+        self.bytes = 0
+        self._quantizers = ({called_quantizer(model, node, Role.ACTIVATION) for node in model.graph.nodes} - {None}
+                            if isinstance(model, fx.GraphModule) else set())
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _count(self, module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        self.bytes += output.numel() * output.element_size()
+
+    def __enter__(self) -> ActivationBytes:
+        self._handles = [q.register_forward_hook(self._count) for q in self._quantizers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
             handle.remove()
-    return total
+        self._handles = []
 
 
-def samples_within_budget(model: nn.Module, batch: tuple[torch.Tensor, ...], budget: int | None = None) -> int:
-    """The ``n`` of the module docstring for ``batch`` (its size for a model that is not a GraphModule).
+def samples_within_budget(model: nn.Module, batch: tuple[torch.Tensor, ...], batch_bytes: int,
+                          budget: int | None = None) -> int:
+    """The ``n`` of the module docstring for ``batch``, whose activation quantizers output ``batch_bytes``.
 
-    ``budget``: bytes per side, default :data:`CODES_BUDGET_BYTES` (read at the call).
+    ``budget``: bytes per side, default :data:`CODES_BUDGET_BYTES` (read at the call). When ``n`` is below the
+    batch's size, the model must run on ``n`` samples; one captured for its example batch only (a static batch
+    dimension) is compared on the whole batch.
     """
     budget = CODES_BUDGET_BYTES if budget is None else budget
     size = batch_size(batch)
-    if size <= 1 or not isinstance(model, fx.GraphModule):
+    if batch_bytes <= budget or size <= 1:
         return size
-    per_sample = _activation_bytes(model, leading_samples(batch, 1))
-    return min(size, max(1, budget // max(per_sample, 1)))
+    n = max(1, budget * size // batch_bytes)
+    try:
+        with torch.no_grad():
+            model(*leading_samples(batch, n))
+    except Exception:  # noqa: BLE001 - any refusal of a smaller batch (a shape guard) means: keep the batch
+        return size
+    return n

@@ -67,7 +67,13 @@ from coreai_opt.onnx.verify.output_comparison import (
 from coreai_opt.onnx.verify.output_steps import OutputStep
 from coreai_opt.onnx.verify.quantizer_codes import compare_quantizer_codes
 from coreai_opt.onnx.verify.runtimes import graph_input_names, open_runner
-from coreai_opt.onnx.verify.sample_budget import batch_size, leading_rows, leading_samples, samples_within_budget
+from coreai_opt.onnx.verify.sample_budget import (
+    ActivationBytes,
+    batch_size,
+    leading_rows,
+    leading_samples,
+    samples_within_budget,
+)
 from coreai_opt.onnx.verify.tolerance import OutputTolerance, derive_tolerances
 from coreai_opt.onnx.verify.weight_codes import WeightCheck, compare_weight_codes
 from coreai_opt.passes.sink_weight_quantizers import eager_order
@@ -291,7 +297,9 @@ def verify_onnx(
     # Every eager reference first, then the runtime: the eager forward's temporaries (a fake-quantized weight at
     # a time) and the session's weights (its integers and prepacked copies) are never resident together.
     eager_model = eager_order(model)
-    eager = [_run_eager(eager_model, batch) for batch in batches]
+    with ActivationBytes(model) as counted:  # what the code comparison will hold of the first batch (sample_budget)
+        eager = [_run_eager(eager_model, batches[0])]
+    eager += [_run_eager(eager_model, batch) for batch in batches[1:]]
     del eager_model
     runner = open_runner(path, runtime, providers)
     input_names, output_names = runner.input_names, runner.output_names
@@ -317,7 +325,7 @@ def verify_onnx(
     quantizer_samples = 0
     if check_quantizers and runtime == "onnxruntime":
         failing = not all(o.ok for o in outputs)  # then judged again on the file's codes (OutputComparison)
-        quantizer_samples = samples_within_budget(model, batches[0])  # memory-bounded (sample_budget)
+        quantizer_samples = samples_within_budget(model, batches[0], counted.bytes)  # memory-bounded
         heads = [leading_samples(b, quantizer_samples) for b in batches]
         quantizers, forced = compare_quantizer_codes(model, path, heads[0], providers=providers,
                                                      forced_batches=heads if failing else ())
