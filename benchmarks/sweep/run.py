@@ -25,8 +25,8 @@ import time
 import traceback
 from pathlib import Path
 
-__all__ = ["chunk_names", "error_class", "expected_seconds", "failure_classes", "main", "torch_exports",
-           "write_table"]
+__all__ = ["chunk_names", "error_class", "expected_seconds", "failure_classes", "last_rows", "main",
+           "torch_exports", "write_table"]
 
 STAGES = ("build", "prepare", "calibrate", "convert", "export", "verify")
 
@@ -246,12 +246,16 @@ def write_table(rows: list[dict[str, object]], path: Path, wall_seconds: float) 
     path.write_text("\n".join(lines) + "\n")
 
 
-def expected_seconds(rows_path: Path, budget: float) -> dict[str, float]:
-    """Each model's wall time in the last row of it in ``rows_path`` (at most ``budget``); empty if no file."""
+def last_rows(rows_path: Path) -> dict[str, dict[str, object]]:
+    """Each model's last row in ``rows_path`` (a re-run after a fix, or two loops meeting, wins); empty if no file."""
     if not rows_path.exists():
         return {}
-    rows = {row["name"]: row for row in map(json.loads, rows_path.read_text().splitlines())}
-    return {name: min(float(row.get("wall", budget)), budget) for name, row in rows.items()}
+    return {row["name"]: row for row in map(json.loads, rows_path.read_text().splitlines())}
+
+
+def expected_seconds(rows_path: Path, budget: float) -> dict[str, float]:
+    """Each model's wall time in its last row in ``rows_path`` (at most ``budget``); empty if no file."""
+    return {name: min(float(row.get("wall", budget)), budget) for name, row in last_rows(rows_path).items()}
 
 
 def chunk_names(names: list[str], index: int, count: int, expected: dict[str, float]) -> list[str]:
@@ -309,7 +313,7 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
     expected = expected_seconds(args.balance_by, args.budget)
     names = chunk_names([e.name for e in sweep_entries()], index, count, expected)[: args.limit]
     rows_path = args.out / "rows.jsonl"
-    done = {json.loads(line)["name"] for line in rows_path.read_text().splitlines()} if rows_path.exists() else set()
+    done = set(last_rows(rows_path))
     todo = [name for name in names if name not in done]
     if todo:
         preload()
@@ -327,7 +331,6 @@ def main(argv: list[str] | argparse.Namespace | None = None) -> int:
         with rows_path.open("a") as f:
             f.write(json.dumps(row, default=str) + "\n")
         print(f"{name}: {_stage_reached(row)} {error_class(row.get('error'))} ({row['wall']:.0f} s)", flush=True)
-    # the last row of a name wins (two chunk loops meeting in one chunk, or a failure re-run after a fix)
-    rows = list({row["name"]: row for row in map(json.loads, rows_path.read_text().splitlines())}.values())
+    rows = list(last_rows(rows_path).values())
     write_table(rows, args.out / "RESULTS.md", sum(float(r.get("wall", 0)) for r in rows))
     return 0

@@ -320,7 +320,7 @@ def verify_onnx(
         compare_output(name, refs[k], gots[k], steps.get(name), tolerances.get(name), units.get(name))
         for k, name in enumerate(output_names)
     )
-    num_samples = sum(int(b[0].shape[0]) if b[0].dim() else 1 for b in batches)
+    num_samples = sum(batch_size(b) for b in batches)
     quantizers: tuple[QuantizerCodes, ...] = ()
     quantizer_samples = 0
     if check_quantizers and runtime == "onnxruntime":
